@@ -1,0 +1,178 @@
+"""`dual-decoder` command line: `generate` over a document, and `demo` on the embedded model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from .config import DualDecoderConfig
+
+
+@dataclass
+class TimingStreamer(BaseStreamer):
+    """Records when each generated token arrives (seconds, `time.perf_counter`) and forwards to `inner`."""
+
+    inner: BaseStreamer | None = None
+    times: list[float] = field(default_factory=list)
+    _prompt_seen: bool = False
+
+    def put(self, value):
+        if self._prompt_seen:
+            self.times.append(time.perf_counter())
+        self._prompt_seen = True
+        if self.inner is not None:
+            self.inner.put(value)
+
+    def end(self):
+        if self.inner is not None:
+            self.inner.end()
+
+    def decode_tokens_per_second(self) -> float:
+        """Tokens per second after the first generated token (prefill excluded); nan with < 2 tokens."""
+        if len(self.times) < 2:
+            return float("nan")
+        return (len(self.times) - 1) / (self.times[-1] - self.times[0])
+
+
+def _human(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} GiB"
+
+
+def run_question(model, tokenizer, text: str, dual_config: DualDecoderConfig | None, max_new_tokens: int,
+                 stream: bool = False) -> tuple[str, dict]:
+    """Answer the chat-formatted `text` greedily; `dual_config=None` uses the dense default cache.
+
+    Returns:
+        `(answer, info)` where info has `tokens_per_s` (decode, prefill excluded), `prompt_tokens`, and for the
+        dual cache the `cache.stats()` entries.
+    """
+    from transformers import TextStreamer
+
+    from .eval.needle import format_chat
+
+    ids = torch.tensor([format_chat(tokenizer, text)], device=model.device)
+    inner = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
+    timer = TimingStreamer(inner=inner)
+    kwargs = {}
+    if dual_config is not None:
+        kwargs = {"cache_implementation": "dual", "cache_config": dual_config.__dict__}
+    out = model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+        streamer=timer, return_dict_in_generate=True, **kwargs,
+    )
+    answer = tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    info = {"tokens_per_s": timer.decode_tokens_per_second(), "prompt_tokens": ids.shape[1]}
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    if dual_config is not None:
+        info.update(cache.stats())
+    return answer, info
+
+
+def stats_line(info: dict) -> str:
+    """One line: decode tokens/s, speculation hit rate, device vs dense bytes, host bytes."""
+    steps = info.get("spec_steps", 0)
+    hit = f"{info['spec_hits'] / steps:.0%} ({info['spec_hits']}/{steps})" if steps else "n/a"
+    ratio = info["device_bytes"] / max(info["dense_equivalent_bytes"], 1)
+    return (
+        f"decode {info['tokens_per_s']:.2f} tokens/s | speculation hit rate {hit} | device "
+        f"{_human(info['device_bytes'])} vs dense cache {_human(info['dense_equivalent_bytes'])} ({ratio:.1%}) "
+        f"| host {_human(info['host_bytes'])}"
+    )
+
+
+def _dual_config(args) -> DualDecoderConfig:
+    return DualDecoderConfig(
+        budget=args.budget, n_sink=args.n_sink, window=args.window, speculator=args.speculator,
+        prefill_progress=True,
+    )
+
+
+def cmd_generate(args) -> int:
+    from .models import load_model
+
+    with open(args.prompt_file, encoding="utf-8") as handle:
+        document = handle.read()
+    if not document.strip():
+        raise SystemExit(f"error: {args.prompt_file} is empty.")
+    config = _dual_config(args)
+    model, tokenizer = load_model(args.model)
+    text = f"{document}\n\n{args.question}"
+    print("dual:", flush=True)
+    answer, info = run_question(model, tokenizer, text, config, args.max_new_tokens, stream=True)
+    print(f"[{info['prompt_tokens']} prompt tokens] {stats_line(info)}")
+    if args.compare_dense:
+        dense, dense_info = run_question(model, tokenizer, text, None, args.max_new_tokens)
+        print(f"dense: {dense}\n[dense decode {dense_info['tokens_per_s']:.2f} tokens/s]")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .eval.needle import make_needle_prompt
+    from .models import load_default_model
+
+    config = _dual_config(args)
+    print("loading the embedded SmolLM2-135M-Instruct ...", flush=True)
+    model, tokenizer = load_default_model()
+    prompt = make_needle_prompt(tokenizer, args.tokens, seed=args.seed)
+    print(
+        f"document: Python Language Reference excerpt, {prompt.n_tokens} tokens, with one needle; question: "
+        f"the special magic number for '{prompt.key}' (expected {prompt.answer})"
+    )
+    dense, dense_info = run_question(model, tokenizer, prompt.text, None, args.max_new_tokens)
+    dual, info = run_question(model, tokenizer, prompt.text, config, args.max_new_tokens)
+    print(f"dense answer : {dense!r}  [{dense_info['tokens_per_s']:.2f} tokens/s]")
+    print(f"dual answer  : {dual!r}  [budget {config.budget}, sink {config.n_sink}, window {config.window}]")
+    print(stats_line(info))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dual-decoder", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def dual_options(p):
+        p.add_argument("--budget", type=int, default=256, help="tokens retrieved per KV head per layer")
+        p.add_argument("--n-sink", type=int, default=4, help="sink tokens kept on the device")
+        p.add_argument("--window", type=int, default=64, help="local window kept on the device (tokens)")
+        p.add_argument("--speculator", default="self", choices=["self", "ngram", "none"])
+        p.add_argument("--max-new-tokens", type=int, default=32)
+
+    gen = sub.add_parser("generate", help="answer a question about a document with the dual cache")
+    gen.add_argument("--prompt-file", required=True, help="UTF-8 text file holding the document")
+    gen.add_argument("--question", required=True)
+    gen.add_argument("--model", default=None, help="Hub id, local folder or .gguf file (default: embedded model)")
+    gen.add_argument("--compare-dense", action="store_true", help="also answer with the dense default cache")
+    dual_options(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("demo", help="needle question over a 4K-token document: dense vs dual, embedded model")
+    demo.add_argument("--tokens", type=int, default=4096, help="prompt length in tokens")
+    demo.add_argument("--seed", type=int, default=0)
+    dual_options(demo)
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `dual-decoder` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        if getattr(args, "budget", 0) is not None:
+            _dual_config(args)  # validate options before loading anything
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""`DualDecoderConfig`: every knob of the DualDecoder method, validated before any work starts."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+SPECULATORS = ("self", "ngram", "none")
+SELECTORS = ("exact", "block", "oracle")
+
+
+@dataclass
+class DualDecoderConfig:
+    """Configuration of the dual cache and the dual-token decode loop (DESIGN.md §2).
+
+    Attributes:
+        budget: middle tokens retrieved per decode step, per KV head, per full-attention layer (tokens).
+            Must be a multiple of `block_size`.
+        n_sink: first real (non-pad) prompt tokens kept resident on the device (tokens).
+        window: most recent tokens kept resident on the device, a ring buffer (tokens).
+        block_size: retrieval granularity in tokens; 1 is token-level top-k, >1 scores and retrieves whole
+            contiguous blocks (only used by `selector="block"`).
+        early_layers: the first `early_layers` layers retrieve `max(budget, early_layer_budget)` entries: they are
+            far less sparse (DESIGN.md §2: top-256 holds ~50% of the attention mass in layer 0 of the embedded
+            model vs ~95% from layer 3 on). 0 disables.
+        early_layer_budget: budget of those early layers (tokens per KV head).
+        layer_budgets: per-layer override `{layer_idx: budget}`, taking precedence over everything else.
+        layers_in_flight: device slots of the layer-scoped selection buffer pool; device bytes for retrieved
+            entries are `layers_in_flight × B × H_kv × budget × D × 2 × dtype bytes`.
+        speculator: how the speculated token x̂ is proposed. `"self"`: argmax of the model's own logits at the
+            speculated slot (two tokens per forward). `"ngram"`: prompt lookup (transformers'
+            `PromptLookupCandidateGenerator`), falling back to `"self"` where it finds no match. `"none"`: one
+            token per forward; the real token's query selects for the next step.
+        selector: `"exact"` top-k over host keys, `"block"` block-level top-k, `"oracle"` selects with the
+            real token's own query synchronously at the step that uses it (evaluation upper bound only).
+        retrieval_threads: host threads running retrieval ahead of the compute; 0 runs retrieval
+            synchronously on the calling thread (the reference path; identical tokens); None picks 1 when the
+            model runs on CUDA and 0 on CPU (where the thread only competes with the compute for cores).
+        prefill_chunk_size: prompt tokens per prefill forward pass (tokens).
+        ngram_size: maximum n-gram length matched by the `"ngram"` speculator (tokens).
+        prefill_progress: show a tqdm progress bar over prefill chunks.
+
+    Raises:
+        ValueError: from `validate()` (called on construction) for any out-of-range or inconsistent value,
+            naming the field and what to change.
+    """
+
+    budget: int = 256
+    n_sink: int = 4
+    window: int = 64
+    block_size: int = 1
+    early_layers: int = 2
+    early_layer_budget: int = 1024
+    layer_budgets: dict[int, int] = field(default_factory=dict)
+    layers_in_flight: int = 2
+    speculator: str = "self"
+    selector: str = "exact"
+    retrieval_threads: int | None = None
+    prefill_chunk_size: int = 8192
+    ngram_size: int = 3
+    prefill_progress: bool = False
+
+    def __post_init__(self) -> None:
+        self.layer_budgets = {int(k): v for k, v in dict(self.layer_budgets or {}).items()}
+        self.validate()
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | None) -> "DualDecoderConfig":
+        """Build from a `cache_config` dict as passed to `generate()`; unknown keys raise `ValueError`."""
+        values = dict(values or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"Unknown dual cache option(s) {unknown}. Valid options: {sorted(known)}."
+            )
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> "DualDecoderConfig":
+        """A validated copy with `changes` applied."""
+        return dataclasses.replace(self, **changes)
+
+    def budget_for_layer(self, layer_idx: int) -> int:
+        """Retrieval budget of `layer_idx` in tokens per KV head."""
+        if layer_idx in self.layer_budgets:
+            return self.layer_budgets[layer_idx]
+        if layer_idx < self.early_layers:
+            return max(self.budget, self.early_layer_budget)
+        return self.budget
+
+    def threads_for(self, device: torch.device) -> int:
+        """Retrieval threads to use for a model on `device` (resolves `retrieval_threads=None`)."""
+        if self.retrieval_threads is None:
+            return 1 if device.type == "cuda" else 0
+        return self.retrieval_threads
+
+    def validate(self) -> None:
+        """Check every field; raises `ValueError` naming the offending field and a valid range."""
+
+        def _int(name: str, value: Any, minimum: int) -> None:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"`{name}` must be an int, got {value!r} ({type(value).__name__}).")
+            if value < minimum:
+                raise ValueError(f"`{name}` must be >= {minimum}, got {value}.")
+
+        _int("budget", self.budget, 0)
+        _int("n_sink", self.n_sink, 0)
+        _int("window", self.window, 1)
+        _int("block_size", self.block_size, 1)
+        _int("layers_in_flight", self.layers_in_flight, 1)
+        _int("early_layers", self.early_layers, 0)
+        _int("early_layer_budget", self.early_layer_budget, 0)
+        if self.retrieval_threads is not None:
+            _int("retrieval_threads", self.retrieval_threads, 0)
+        _int("prefill_chunk_size", self.prefill_chunk_size, 1)
+        _int("ngram_size", self.ngram_size, 1)
+        if self.retrieval_threads is not None and self.retrieval_threads > 1:
+            raise ValueError(
+                "`retrieval_threads` must be 0 (synchronous) or 1: layers are retrieved in order by one host "
+                f"thread, whose torch ops are themselves multi-threaded; got {self.retrieval_threads}."
+            )
+        for layer_idx, layer_budget in self.layer_budgets.items():
+            _int(f"layer_budgets[{layer_idx}]", layer_budget, 0)
+            if layer_idx < 0:
+                raise ValueError(f"`layer_budgets` keys are layer indices >= 0, got {layer_idx}.")
+        if self.speculator not in SPECULATORS:
+            raise ValueError(f"`speculator` must be one of {SPECULATORS}, got {self.speculator!r}.")
+        if self.selector not in SELECTORS:
+            raise ValueError(f"`selector` must be one of {SELECTORS}, got {self.selector!r}.")
+        if self.selector == "block":
+            for name, value in [("budget", self.budget), ("early_layer_budget", self.early_layer_budget), *[
+                (f"layer_budgets[{i}]", b) for i, b in self.layer_budgets.items()
+            ]]:
+                if value % self.block_size:
+                    raise ValueError(
+                        f"`{name}`={value} must be a multiple of `block_size`={self.block_size} with "
+                        "selector='block'; change the budget or the block size."
+                    )
+        if not isinstance(self.prefill_progress, bool):
+            raise ValueError(f"`prefill_progress` must be a bool, got {self.prefill_progress!r}.")

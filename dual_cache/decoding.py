@@ -1,0 +1,177 @@
+"""The dual-token decode loop (DESIGN.md §2): each forward feeds `[x_t, x̂_{t+1}]`; slot 0 gives the real next
+token through all of `generate()`'s logits processors and stopping criteria, slot 1's queries select the next
+step's KV entries and its logits give the next speculated token.
+
+`dual_sample` has the signature of `GenerationMixin._sample`; `integration.py` routes `generate()` here when the
+cache is a `DualDecoderCache`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Iterator
+
+import torch
+from tqdm.auto import tqdm
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .attention import ATTENTION_NAME
+from .cache import DualDecoderCache
+from .speculators import make_speculator
+
+CACHE_KWARGS = ("cache", "past_key_values")  # transformers ≥5.24 / 5.22–5.23
+
+
+def cache_kwarg_name(model: torch.nn.Module) -> str:
+    """Name of the forward argument that takes the cache on this transformers version."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+@contextlib.contextmanager
+def dual_attention_enabled(model: torch.nn.Module) -> Iterator[None]:
+    """Switch `model` to the `"dual"` attention implementation for the duration of the block, then restore.
+
+    Raises:
+        ValueError: if the model does not dispatch attention through transformers' `AttentionInterface`.
+    """
+    previous = model.config._attn_implementation
+    if previous == ATTENTION_NAME:
+        yield
+        return
+    if not model._can_set_attn_implementation():
+        raise ValueError(
+            f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface, so "
+            "the dual cache cannot serve it. Use the default cache for this model."
+        )
+    model.set_attn_implementation(ATTENTION_NAME)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def _position_ids(attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
+    """Positions as transformers computes them for generation: cumulative count of real tokens (pads at 0)."""
+    if attention_mask is None:
+        return torch.arange(length, device=device).expand(batch, length)
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill(attention_mask == 0, 0)
+
+
+def dual_sample(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer=None,
+    **model_kwargs,
+):
+    """Generate with dual-token decoding; arguments and return value as `GenerationMixin._sample`.
+
+    Args:
+        input_ids: `(B, P)` int64 left-padded prompts.
+        model_kwargs: must hold the `DualDecoderCache` (under `cache` or `past_key_values`) and may hold the
+            `(B, P)` `attention_mask`.
+
+    Returns:
+        `(B, P + new)` sequences, or `GenerateDecoderOnlyOutput` with `scores`/`logits` and the cache when
+        `return_dict_in_generate=True`.
+    """
+    cache: DualDecoderCache = next(model_kwargs[k] for k in CACHE_KWARGS if k in model_kwargs)
+    config = cache.dual_config
+    cache_arg = cache_kwarg_name(model)
+    speculator = make_speculator(config.speculator, config.ngram_size)
+    q_per_step = speculator.tokens_per_forward
+
+    pad_token_id = generation_config._pad_token_tensor
+    has_eos_stopping_criteria = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    return_dict = generation_config.return_dict_in_generate
+    scores = () if (return_dict and generation_config.output_scores) else None
+    raw_logits = () if (return_dict and generation_config.output_logits) else None
+    do_sample = generation_config.do_sample
+
+    batch, prompt_len = input_ids.shape
+    device = input_ids.device
+    attention_mask = model_kwargs.get("attention_mask")
+    positions = _position_ids(attention_mask, batch, prompt_len, device)
+    next_position = positions[:, -1] + 1  # (B,)
+    unfinished = torch.ones(batch, dtype=torch.long, device=device)
+
+    def forward(tokens: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor, keep: int):
+        return model(
+            input_ids=tokens, attention_mask=mask, position_ids=position_ids, use_cache=True,
+            logits_to_keep=keep, dual_cache=cache, **{cache_arg: cache},
+        )
+
+    try:
+        with dual_attention_enabled(model), torch.inference_mode():
+            chunk = config.prefill_chunk_size
+            starts = range(0, prompt_len, chunk)
+            for start in tqdm(starts, desc="prefill", unit="chunk", disable=not config.prefill_progress):
+                end = min(start + chunk, prompt_len)
+                outputs = forward(
+                    input_ids[:, start:end], None if attention_mask is None else attention_mask[:, :end],
+                    positions[:, start:end], 1,
+                )
+                cache.crop(0)  # sliding-window layers drop what falls out of their window
+            cache.end_prefill()
+            step_logits = outputs.logits[:, -1].to(dtype=torch.float32, device=device)
+            spec_logits = speculated = last_hit = None
+            del outputs
+
+            while True:
+                next_scores = logits_processor(input_ids, step_logits)
+                if return_dict:
+                    if scores is not None:
+                        scores += (next_scores,)
+                    if raw_logits is not None:
+                        raw_logits += (step_logits,)
+                if do_sample:
+                    next_tokens = torch.multinomial(torch.softmax(next_scores, dim=-1), num_samples=1).squeeze(1)
+                else:
+                    next_tokens = next_scores.argmax(dim=-1)
+                if has_eos_stopping_criteria:
+                    next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
+                if speculated is not None:
+                    live = unfinished.bool()
+                    last_hit = next_tokens == speculated
+                    cache.record_speculation((last_hit & live).sum().item(), live.sum().item())
+                input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+                if streamer is not None:
+                    streamer.put(next_tokens.cpu())
+                unfinished = unfinished & ~stopping_criteria(input_ids, scores)
+                if unfinished.max() == 0:
+                    break
+
+                # one forward: the real token, plus the speculated one unless the speculator is "none"
+                if q_per_step == 2:
+                    speculated = speculator.propose(input_ids, spec_logits, last_hit)
+                    tokens = torch.stack([next_tokens, speculated], dim=1)
+                else:
+                    tokens = next_tokens[:, None]
+                step_positions = next_position[:, None] + torch.arange(q_per_step, device=device)
+                if attention_mask is not None:
+                    attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=-1)
+                    step_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, q_per_step - 1)], dim=-1)
+                else:
+                    step_mask = None
+                outputs = forward(tokens, step_mask, step_positions, q_per_step)
+                if q_per_step == 2:
+                    cache.crop(-1)  # only the real token's K/V are kept
+                    spec_logits = outputs.logits[:, 1].to(dtype=torch.float32, device=device)
+                step_logits = outputs.logits[:, 0].to(dtype=torch.float32, device=device)
+                next_position = next_position + 1
+                del outputs
+    finally:
+        cache.close()
+
+    if streamer is not None:
+        streamer.end()
+    if return_dict:
+        cache_field = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+        return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores, logits=raw_logits, **{cache_field: cache})
+    return input_ids

@@ -1,0 +1,96 @@
+"""Registers `cache_implementation="dual"` with transformers' `generate()` (idempotent, on `import dual_cache`).
+
+transformers has no registry for cache implementations (DESIGN.md §4): `GenerationConfig.validate` accepts names
+from the module-level tuple `ALL_CACHE_IMPLEMENTATIONS`, and `_prepare_cache_for_generation` silently builds a
+`DynamicCache` for unknown names. We extend the tuple, wrap `_prepare_cache_for_generation` to build a
+`DualDecoderCache` (and refuse unsupported generation modes before any work), and wrap `_sample` to run the
+dual-token loop whenever the cache is a `DualDecoderCache`. Every other cache implementation is untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from transformers.generation import configuration_utils
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.utils import GenerationMixin
+
+from . import attention
+from .cache import DualDecoderCache
+from .config import DualDecoderConfig
+from .decoding import CACHE_KWARGS, cache_kwarg_name, dual_sample
+
+CACHE_IMPLEMENTATION = "dual"
+_SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+
+
+def check_generation_supported(generation_config, generation_mode) -> None:
+    """Raise `ValueError` for generation settings the dual cache cannot serve (before any work starts)."""
+    if generation_mode not in _SUPPORTED_MODES:
+        raise ValueError(
+            f"The dual cache supports greedy decoding and sampling, not {generation_mode.value} "
+            "(beam search needs a cache that reorders sequences; assisted and contrastive decoding need one that "
+            "verifies several candidate tokens). Set num_beams=1 and drop assistant_model / prompt_lookup_num_tokens "
+            "/ penalty_alpha, or use the default cache."
+        )
+    if generation_config.output_attentions or generation_config.output_hidden_states:
+        raise ValueError(
+            "output_attentions / output_hidden_states are not available with the dual cache (attention runs over "
+            "a sparse set of entries). Unset them or use the default cache."
+        )
+    if generation_config.use_cache is False:
+        raise ValueError("The dual cache needs use_cache=True.")
+
+
+def _wrap_prepare_cache(original):
+    @functools.wraps(original)
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
+        user_cache = next((model_kwargs[k] for k in CACHE_KWARGS if model_kwargs.get(k) is not None), None)
+        if generation_config.cache_implementation == CACHE_IMPLEMENTATION:
+            if user_cache is not None:
+                raise ValueError(
+                    "Passing both cache_implementation='dual' and a cache object is unsupported; pass only one."
+                )
+            check_generation_supported(generation_config, generation_mode)
+            dual_config = DualDecoderConfig.from_dict(generation_config.cache_config)
+            model_kwargs[cache_kwarg_name(self)] = DualDecoderCache(
+                self.config, dual_config=dual_config, max_cache_len=max_cache_length + 2
+            )
+            return None
+        if isinstance(user_cache, DualDecoderCache):
+            check_generation_supported(generation_config, generation_mode)
+            if user_cache.get_seq_length() > 0:
+                raise ValueError(
+                    "This DualDecoderCache already holds tokens; pass a fresh DualDecoderCache to each generate() call."
+                )
+        return original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
+
+    _prepare_cache_for_generation._dual_cache_wrapped = True
+    return _prepare_cache_for_generation
+
+
+def _wrap_sample(original):
+    @functools.wraps(original)
+    def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                streamer=None, **model_kwargs):
+        if any(isinstance(model_kwargs.get(k), DualDecoderCache) for k in CACHE_KWARGS):
+            return dual_sample(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                               synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
+        return original(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                        synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
+
+    _sample._dual_cache_wrapped = True
+    return _sample
+
+
+def register() -> None:
+    """Make `cache_implementation="dual"` available to `generate()`. Idempotent; other caches are untouched."""
+    attention.register()
+    if CACHE_IMPLEMENTATION not in configuration_utils.ALL_CACHE_IMPLEMENTATIONS:
+        configuration_utils.ALL_CACHE_IMPLEMENTATIONS = configuration_utils.ALL_CACHE_IMPLEMENTATIONS + (
+            CACHE_IMPLEMENTATION,
+        )
+    if not getattr(GenerationMixin._prepare_cache_for_generation, "_dual_cache_wrapped", False):
+        GenerationMixin._prepare_cache_for_generation = _wrap_prepare_cache(GenerationMixin._prepare_cache_for_generation)
+    if not getattr(GenerationMixin._sample, "_dual_cache_wrapped", False):
+        GenerationMixin._sample = _wrap_sample(GenerationMixin._sample)

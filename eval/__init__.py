@@ -1,0 +1,1 @@
+"""Evaluation and benchmarks (installed as `dual_cache.eval`)."""

@@ -1,0 +1,36 @@
+import pytest
+
+from dual_cache import DualDecoderConfig
+
+
+def test_defaults_are_valid():
+    config = DualDecoderConfig()
+    assert config.budget == 256 and config.speculator == "self" and config.selector == "exact"
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"budget": -1}, "budget"),
+        ({"budget": 2.5}, "budget"),
+        ({"window": 0}, "window"),
+        ({"n_sink": True}, "n_sink"),
+        ({"speculator": "medusa"}, "speculator"),
+        ({"selector": "quest"}, "selector"),
+        ({"selector": "block", "block_size": 16, "budget": 100}, "multiple of `block_size`"),
+        ({"layers_in_flight": 0}, "layers_in_flight"),
+        ({"retrieval_threads": 4}, "retrieval_threads"),
+        ({"layer_budgets": {0: -5}}, "layer_budgets"),
+        ({"bugdet": 3}, "Unknown dual cache option"),
+    ],
+)
+def test_bad_values_raise_clear_errors(options, message):
+    with pytest.raises(ValueError, match=message):
+        DualDecoderConfig.from_dict(options)
+
+
+def test_layer_budget_override():
+    config = DualDecoderConfig(budget=64, layer_budgets={"1": 512}, early_layers=1, early_layer_budget=128)
+    assert config.budget_for_layer(0) == 128 and config.budget_for_layer(1) == 512
+    assert config.budget_for_layer(2) == 64
+    assert DualDecoderConfig(budget=2048).budget_for_layer(0) == 2048

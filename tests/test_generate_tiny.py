@@ -1,0 +1,199 @@
+"""generate() with the dual cache on tiny random-weight Llama, Qwen2 (MQA) and Gemma-3-style models."""
+
+import threading
+
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from dual_cache import DualDecoderCache
+from tests.conftest import TINY_MODELS, tiny_llama
+
+FULL = {"budget": 4096, "n_sink": 4, "window": 16}
+
+
+def _prompt(seed, length, vocab=96, batch=1):
+    return torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", sorted(TINY_MODELS))
+@pytest.mark.parametrize("speculator", ["self", "none"])
+def test_full_budget_equals_dynamic_cache_greedy(name, speculator):
+    model = TINY_MODELS[name](seed=11)
+    ids = _prompt(12, 300)
+    dense = model.generate(ids, max_new_tokens=40, do_sample=False)
+    dual = model.generate(
+        ids, max_new_tokens=40, do_sample=False, cache_implementation="dual",
+        cache_config={**FULL, "speculator": speculator, "prefill_chunk_size": 128},
+    )
+    assert torch.equal(dense, dual)
+
+
+def test_explicit_cache_object_and_sync_reference_path_match():
+    model = tiny_llama(seed=13)
+    ids = _prompt(14, 200)
+    dense = model.generate(ids, max_new_tokens=30, do_sample=False)
+    cache = DualDecoderCache(model.config, budget=4096, window=8)
+    assert torch.equal(model.generate(ids, max_new_tokens=30, do_sample=False, cache=cache), dense)
+    partial = {"budget": 24, "n_sink": 2, "window": 8, "early_layers": 0}
+    threaded = model.generate(ids, max_new_tokens=30, do_sample=False, cache_implementation="dual",
+                              cache_config={**partial, "retrieval_threads": 1})
+    sync = model.generate(ids, max_new_tokens=30, do_sample=False, cache_implementation="dual",
+                          cache_config={**partial, "retrieval_threads": 0})
+    assert torch.equal(threaded, sync)
+
+
+def test_left_padded_batch_matches_single_prompt():
+    model = tiny_llama(seed=15)
+    short, long = _prompt(16, 120), _prompt(17, 260)
+    pad = torch.zeros(1, 140, dtype=torch.long)
+    batch = torch.cat([torch.cat([pad, short], 1), long])
+    mask = torch.cat([torch.cat([torch.zeros(1, 140), torch.ones(1, 120)], 1), torch.ones(1, 260)]).long()
+    for config in (FULL, {"budget": 16, "n_sink": 4, "window": 8, "early_layers": 0}):
+        kwargs = dict(max_new_tokens=25, do_sample=False, cache_implementation="dual",
+                      cache_config={**config, "retrieval_threads": 0}, return_dict_in_generate=True)
+        alone = model.generate(short, **kwargs)
+        both = model.generate(batch, attention_mask=mask, **kwargs)
+        assert torch.equal(alone.sequences[0, 120:], both.sequences[0, 260:])
+    dense = model.generate(short, max_new_tokens=25, do_sample=False)
+    assert torch.equal(dense[0, 120:], model.generate(batch, attention_mask=mask, max_new_tokens=25,
+                       do_sample=False, cache_implementation="dual", cache_config=FULL)[0, 260:])
+
+
+def test_partial_budget_selections_identical_alone_and_in_padded_batch():
+    model = tiny_llama(seed=18)
+    short, long = _prompt(19, 100), _prompt(20, 180)
+    batch = torch.cat([torch.cat([torch.zeros(1, 80, dtype=torch.long), short], 1), long])
+    mask = torch.cat([torch.cat([torch.zeros(1, 80), torch.ones(1, 100)], 1), torch.ones(1, 180)]).long()
+    selections = {}
+    for key, ids, attn in (("alone", short, None), ("batch", batch, mask)):
+        cache = DualDecoderCache(model.config, budget=12, n_sink=4, window=8, retrieval_threads=1, early_layers=0)
+        recorded = []
+        original = cache.layers[1].decode_kv
+
+        def spy(query, scaling, original=original, recorded=recorded, cache=cache):
+            out = original(query, scaling)
+            recorded.append(out[2][0][out[3][0]].clone())  # row 0 positions of valid entries
+            return out
+
+        cache.layers[1].decode_kv = spy
+        model.generate(ids, attention_mask=attn, max_new_tokens=10, do_sample=False, cache=cache)
+        selections[key] = recorded
+    assert len(selections["alone"]) == len(selections["batch"]) > 0
+    for alone, batched in zip(selections["alone"], selections["batch"]):
+        assert torch.equal(alone + 80, batched)
+
+
+def test_sampling_is_reproducible_and_processors_apply():
+    model = tiny_llama(seed=21)
+    ids = _prompt(22, 150)
+    kwargs = dict(max_new_tokens=20, do_sample=True, temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.2,
+                  cache_implementation="dual", cache_config={"budget": 32, "window": 8, "early_layers": 0})
+    torch.manual_seed(5)
+    first = model.generate(ids, **kwargs)
+    torch.manual_seed(5)
+    second = model.generate(ids, **kwargs)
+    assert torch.equal(first, second)
+
+    class Ban(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            scores[:, 7] = float("-inf")
+            return scores
+
+    out = model.generate(ids, max_new_tokens=20, do_sample=False, logits_processor=LogitsProcessorList([Ban()]),
+                         cache_implementation="dual", cache_config={"budget": 32, "window": 8, "early_layers": 0})
+    assert 7 not in out[0, 150:].tolist()
+
+
+def test_streamer_stopping_criteria_eos_and_scores():
+    model = tiny_llama(seed=23)
+    ids = _prompt(24, 120)
+    received = []
+
+    class Collect(BaseStreamer):
+        def put(self, value):
+            received.append(value.clone())
+
+        def end(self):
+            received.append("end")
+
+    out = model.generate(ids, max_new_tokens=15, do_sample=False, streamer=Collect(), return_dict_in_generate=True,
+                         output_scores=True, output_logits=True, cache_implementation="dual",
+                         cache_config={"budget": 32, "window": 8, "early_layers": 0})
+    new = out.sequences[0, 120:]
+    assert torch.equal(received[0], ids)
+    assert [int(t) for t in received[1:-1]] == new.tolist() and received[-1] == "end"
+    assert len(out.scores) == len(out.logits) == len(new) == 15
+    stats = out.cache.stats()
+    assert 0 <= stats["spec_hits"] <= stats["spec_steps"] == 14
+    assert stats["seq_length"] == 120 + 14
+    assert stats["device_bytes"] < stats["dense_equivalent_bytes"]
+
+    class StopAfter(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 125, dtype=torch.bool)
+
+    short = model.generate(ids, max_new_tokens=15, do_sample=False, stopping_criteria=StoppingCriteriaList([StopAfter()]),
+                           cache_implementation="dual", cache_config={"budget": 32, "window": 8, "early_layers": 0})
+    assert short.shape[1] == 125
+    eos = int(new[3])
+    stopped = model.generate(ids, max_new_tokens=15, do_sample=False, eos_token_id=eos, pad_token_id=0,
+                             cache_implementation="dual", cache_config={"budget": 32, "window": 8, "early_layers": 0})
+    assert stopped[0, -1] == eos and stopped.shape[1] <= 124
+
+
+def test_crop_and_seq_length():
+    model = tiny_llama(seed=25)
+    cache = DualDecoderCache(model.config, budget=8, window=4)
+    with torch.no_grad():
+        model(_prompt(26, 30), cache=cache)
+    assert cache.get_seq_length() == 30
+    cache.crop(-3)
+    assert cache.get_seq_length() == 27
+    with pytest.raises(ValueError, match="negative"):
+        cache.crop(5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_beams": 2}, "beam"),
+        ({"prompt_lookup_num_tokens": 3}, "assisted"),
+        ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions"),
+    ],
+)
+def test_unsupported_generation_modes_raise_before_work(kwargs, message):
+    model = tiny_llama(seed=27)
+    threads = threading.active_count()
+    with pytest.raises(ValueError, match=message):
+        model.generate(_prompt(28, 40), max_new_tokens=5, cache_implementation="dual", **kwargs)
+    with pytest.raises(ValueError, match=message):
+        model.generate(_prompt(28, 40), max_new_tokens=5, cache=DualDecoderCache(model.config), **kwargs)
+    assert threading.active_count() == threads
+
+
+def test_bad_cache_config_and_reuse_raise():
+    model = tiny_llama(seed=29)
+    with pytest.raises(ValueError, match="Unknown dual cache option"):
+        model.generate(_prompt(30, 20), max_new_tokens=3, cache_implementation="dual", cache_config={"budgett": 1})
+    with pytest.raises(ValueError, match="layer_budgets"):
+        DualDecoderCache(model.config, layer_budgets={7: 16})
+    cache = DualDecoderCache(model.config, budget=8)
+    model.generate(_prompt(30, 20), max_new_tokens=3, cache=cache)
+    with pytest.raises(ValueError, match="fresh DualDecoderCache"):
+        model.generate(_prompt(30, 20), max_new_tokens=3, cache=cache)
+
+
+def test_other_cache_implementations_untouched():
+    model = tiny_llama(seed=31)
+    ids = _prompt(32, 50)
+    out = model.generate(ids, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+    assert type(out.cache).__name__ == "DynamicCache"
+    assert model.config._attn_implementation != "dual"
+    import dual_cache
+
+    dual_cache.register()  # idempotent
+    from transformers.generation import configuration_utils
+
+    assert configuration_utils.ALL_CACHE_IMPLEMENTATIONS.count("dual") == 1
