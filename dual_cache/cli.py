@@ -166,8 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `dual-decoder` console script."""
     args = build_parser().parse_args(argv)
     try:
-        if getattr(args, "budget", 0) is not None:
-            _dual_config(args)  # validate options before loading anything
+        _dual_config(args)  # validate options before loading anything
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -71,10 +71,6 @@ class TransferSchedule:
         else:
             self._pending[layer_idx] = self._executor.submit(job)
 
-    def has_pending(self, layer_idx: int) -> bool:
-        """Whether a selection was submitted for `layer_idx` and not yet acquired."""
-        return layer_idx in self._pending
-
     def acquire(self, layer_idx: int) -> Selection:
         """Wait for `layer_idx`'s job, copy its result into the layer's device slot; return the device views."""
         pending = self._pending.pop(layer_idx)
