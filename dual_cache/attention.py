@@ -1,7 +1,8 @@
 """The `"dual"` attention function and its mask function, registered with transformers' interfaces.
 
 Full-attention layers of a `DualDecoderCache`: dense SDPA during prefill (over the layer's host store, one layer
-at a time on the device), sparse attention over sink ∪ selection ∪ window ∪ new tokens during decode. The mask
+at a time on the device), sparse attention over the device segments sink, selection and window ring (which holds
+the step's new tokens) during decode, read in place. The mask
 function is registered under the same name so the attention function receives the real padding + causal mask
 (without it transformers passes None and SDPA would treat the two decode queries as a causal prefix).
 """
@@ -14,7 +15,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .cache import DualLayer
-from .kernels import sparse_decode_attention_reference
+from .kernels import sparse_decode_attention
 
 ATTENTION_NAME = "dual"
 
@@ -40,7 +41,8 @@ def dual_attention(
     Args:
         module: the attention module (`module.layer_idx` picks the cache layer).
         query: `(B, H_q, q, D)` after RoPE; key, value: `(B, H_kv, q, D)` as returned by the cache update.
-        attention_mask: `(B, 1, q, n)` bool from `dual_mask`, or None.
+        attention_mask: `(B, 1, q, n)` bool from `dual_mask`, or None; used by prefill. Decode masks with the
+            cache's own per-entry positions and validity (pads never enter the tiers).
         kwargs: must carry `dual_cache` (the `DualDecoderCache`) for sparse attention; without it, or for
             sliding-window layers, this is transformers' SDPA attention.
 
@@ -61,24 +63,19 @@ def dual_attention(
         )
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     if not layer.decoding:
-        keys, values = layer.prefill_kv()
+        keys, values = layer.prefill_kv(key, value)
         if attention_mask is not None and attention_mask.dtype == torch.bool:
             cache.record_prompt_validity(attention_mask[:, 0, -1, :])
         layer.record_query(query[:, :, -1], scaling)
         return sdpa_attention_forward(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
 
     q_len = query.shape[2]
-    keys, values, positions, valid = layer.decode_kv(query, scaling)
+    segments = layer.decode_segments(query, scaling)
     n = layer.get_seq_length()
-    query_pos = torch.arange(n - q_len, n, device=query.device)
-    allowed = valid[:, :, None, :] & (positions[:, :, None, :] <= query_pos[None, None, :, None])
-    if attention_mask is not None:
-        batch, kv_heads, slots = positions.shape
-        mask = attention_mask[:, :1].expand(batch, kv_heads, q_len, attention_mask.shape[-1])
-        allowed &= torch.gather(mask, 3, positions[:, :, None, :].expand(batch, kv_heads, q_len, slots))
-    out = sparse_decode_attention_reference(query, keys, values, allowed, scaling)
+    query_positions = torch.arange(n - q_len, n, device=query.device)
+    out = sparse_decode_attention(query, segments, query_positions, scaling, backend=layer.config.attention_kernel)
     layer.release()
-    if layer.config.selector != "oracle":
+    if layer.config.selector in ("exact", "block"):
         layer.submit_selection(query[:, :, -1], committed=n - q_len + 1)
     return out.transpose(1, 2).contiguous(), None
 

@@ -9,6 +9,8 @@ prefill ends (`end_prefill`) and receives, per layer, the query that selects the
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,10 +20,27 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from . import retrieval
 from .config import DualDecoderConfig
 from .host_store import HostKVStore
+from .kernels import KVSegment
 from .schedule import Selection, TransferSchedule
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+
+
+class HostMemoryError(MemoryError):
+    """The host store of a request would not fit in the host memory the cache may use."""
+
+
+def available_host_bytes() -> int:
+    """Host memory available to new allocations now (Linux `MemAvailable`; else free physical pages), bytes."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass
@@ -29,8 +48,9 @@ class _SequenceState:
     """State shared by all layers of one cache: which prompt positions are real tokens, where the sink ends."""
 
     prompt_valid: torch.Tensor | None = None  # (B, P) bool host; False at pad positions
-    sink_last: torch.Tensor | None = None  # (B,) int64 host: last sink position (-1 if no sink)
+    sink_last: torch.Tensor | None = None  # (B,) int64 host: last sink position (first real position - 1 if none)
     candidates: dict[int, torch.Tensor] = field(default_factory=dict)  # hi -> (B, hi) bool host
+    ring: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # n -> ring positions, valid
 
     def candidates_below(self, hi: int) -> torch.Tensor:
         """`(B, hi)` bool: positions < hi that are real tokens and not sink tokens (selectable)."""
@@ -43,6 +63,19 @@ class _SequenceState:
             self.candidates = {hi: cached}  # one step's bound at a time
         return cached
 
+    def ring_view(self, n: int, q: int, window: int, ring_size: int, sink_last: torch.Tensor):
+        """Positions `(1, 1, R)` held by each window-ring slot once `n` tokens are stored, and their validity
+        `(B, 1, R)` for a step of `q` new tokens: the window `[n - q - window, n)` minus sink and pad positions.
+        Shared by every layer of the step (all layers hold the same positions)."""
+        cached = self.ring.get(n)
+        if cached is None:
+            slots = torch.arange(ring_size, device=sink_last.device)
+            positions = (n - 1) - torch.remainder(n - 1 - slots, ring_size)  # latest position p < n in slot
+            valid = (positions >= n - q - window) & (positions >= 0) & (positions[None, :] > sink_last)
+            cached = (positions[None, None, :], valid[:, None, :])
+            self.ring = {n: cached}
+        return cached
+
 
 class DualLayer(CacheLayerMixin):
     """One full-attention layer: host store of every K/V plus device-resident sink, window ring and selection.
@@ -51,26 +84,23 @@ class DualLayer(CacheLayerMixin):
       - sink: `(B, H_kv, n_sink, D)`, the first `n_sink` real prompt tokens of each sequence;
       - window ring: `(B, H_kv, window + 2, D)`, slot `p % (window + 2)` holds position p; the last `window`
         committed tokens plus the (up to two) tokens of the running step;
-      - selection: a slot of the schedule's pool, `(B, H_kv, budget, D)`.
+      - selection: a slot of the schedule's pool, `(B, H_kv, budget, D)`;
+      - with `selector="quest"`, the page min/max keys `(B, H_kv, pages, D)` (the baseline's metadata).
 
     `update()` appends new K/V to the host store (and the ring once decoding) and returns them unchanged: the
-    dual attention function reads the tiers through `prefill_kv()` and `decode_kv()`.
+    dual attention function reads the tiers through `prefill_kv()` and `decode_segments()`.
     """
 
     is_sliding = False
     is_croppable = True
 
-    def __init__(
-        self, layer_idx: int, config: DualDecoderConfig, state: _SequenceState, schedule: TransferSchedule,
-        capacity: int | None,
-    ) -> None:
+    def __init__(self, layer_idx: int, config: DualDecoderConfig, owner: "DualDecoderCache") -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.config = config
         self.budget = config.budget_for_layer(layer_idx)
-        self.state = state
-        self.schedule = schedule
-        self.capacity_hint = capacity
+        self.owner = owner
+        self.state = owner.state
         self.host: HostKVStore | None = None
         self.decoding = False
         self.last_query: torch.Tensor | None = None  # (B, H_q, D) host, the latest position's query
@@ -78,15 +108,21 @@ class DualLayer(CacheLayerMixin):
         self.sink_keys = self.sink_values = self.sink_pos = self.sink_valid = self.sink_last = None
         self.ring_keys = self.ring_values = None
         self.ring_size = config.window + 2
+        self.page_min = self.page_max = None
+
+    @property
+    def schedule(self) -> TransferSchedule:
+        return self.owner.schedule
 
     # --- transformers CacheLayerMixin API -------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, kv_heads, q, dim = key_states.shape
         self.device = key_states.device
         self.dtype = key_states.dtype
+        self.owner.reserve_host(batch, q, key_states.dtype, kv_heads=kv_heads, head_dim=dim)
         self.host = HostKVStore(
-            batch, kv_heads, dim, key_states.dtype, max(self.capacity_hint or 0, q + 2),
-            pin=key_states.device.type == "cuda",
+            batch, kv_heads, dim, key_states.dtype, self.config.host_chunk_tokens,
+            page_lock=key_states.device.type == "cuda", on_alloc=self.owner.claim_host_bytes,
         )
         self.is_initialized = True
 
@@ -97,9 +133,17 @@ class DualLayer(CacheLayerMixin):
         start = self.host.length
         self.host.append(key_states, value_states)
         if self.decoding:
-            slots = [(start + i) % self.ring_size for i in range(key_states.shape[2])]
-            self.ring_keys[:, :, slots] = key_states
-            self.ring_values[:, :, slots] = value_states
+            q = key_states.shape[2]
+            slot = start % self.ring_size
+            if slot + q <= self.ring_size:
+                self.ring_keys[:, :, slot : slot + q] = key_states
+                self.ring_values[:, :, slot : slot + q] = value_states
+            else:
+                slots = torch.arange(start, start + q, device=self.device) % self.ring_size
+                self.ring_keys.index_copy_(2, slots, key_states)
+                self.ring_values.index_copy_(2, slots, value_states)
+            if self.page_min is not None:
+                self._update_pages(start, key_states)
         return key_states, value_states
 
     def get_seq_length(self) -> int:
@@ -127,18 +171,26 @@ class DualLayer(CacheLayerMixin):
         )
 
     def reset(self) -> None:
+        self.free()
         self.host = None
         self.decoding = False
         self.is_initialized = False
 
     # --- tiers used by the dual attention function -----------------------------------------------------
-    def prefill_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """All keys/values so far, `(B, H_kv, n, D)` on the compute device (one layer at a time)."""
-        n = self.host.length
-        keys, values = self.host.keys[:, :, :n], self.host.values[:, :, :n]
-        if self.device.type != "cpu":
-            keys = keys.to(self.device, non_blocking=True)
-            values = values.to(self.device, non_blocking=True)
+    def prefill_kv(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of every position so far, `(B, H_kv, n, D)` on the compute device, for dense prefill.
+
+        The chunk's own `key_states`/`value_states` `(B, H_kv, q, D)` are used as they are; earlier chunks are
+        read back from the host store (one layer at a time on the device).
+        """
+        q = key_states.shape[2]
+        past = self.host.length - q
+        if past == 0:
+            return key_states, value_states
+        self.host.wait_written()
+        keys, values = self.host.read(0, past)
+        keys = torch.cat([keys.to(self.device, non_blocking=True), key_states], dim=2)
+        values = torch.cat([values.to(self.device, non_blocking=True), value_states], dim=2)
         return keys, values
 
     def record_query(self, query: torch.Tensor, scaling: float) -> None:
@@ -148,8 +200,10 @@ class DualLayer(CacheLayerMixin):
 
     def start_decoding(self) -> None:
         """Fill sink and window tiers from the host store and schedule the first step's selection."""
+        self.host.wait_written()
         n = self.host.length
         batch, kv_heads = self.host.shape_prefix
+        dim = self.host.head_dim
         n_sink = self.config.n_sink
         valid = self.state.prompt_valid
         # sink positions: the first n_sink real tokens of each sequence (pads never are sink tokens)
@@ -157,26 +211,41 @@ class DualLayer(CacheLayerMixin):
         first = torch.sort(order, dim=1).values[:, :n_sink]
         sink_valid = first < valid.shape[1]
         sink_pos = torch.where(sink_valid, first, torch.zeros_like(first))
-        index = sink_pos[:, None, :, None].expand(batch, kv_heads, sink_pos.shape[1], self.host.head_dim)
-        self.sink_keys = torch.gather(self.host.keys[:, :, :n], 2, index).to(self.device)
-        self.sink_values = torch.gather(self.host.values[:, :, :n], 2, index).to(self.device)
-        self.sink_pos = sink_pos.to(self.device)
-        self.sink_valid = sink_valid.to(self.device)
+        sink_keys, sink_values = self.host.gather(sink_pos[:, None, :].expand(batch, kv_heads, sink_pos.shape[1]))
+        self.sink_keys, self.sink_values = sink_keys.to(self.device), sink_values.to(self.device)
+        self.sink_pos = sink_pos[:, None, :].to(self.device)  # (B, 1, n_sink)
+        self.sink_valid = sink_valid[:, None, :].to(self.device)
         self.sink_last = self.state.sink_last[:, None].to(self.device)  # (B, 1)
         # window ring: the last `window` positions (ring slot p % ring_size)
-        self.ring_keys = torch.zeros(
-            batch, kv_heads, self.ring_size, self.host.head_dim, dtype=self.dtype, device=self.device
-        )
+        self.ring_keys = torch.zeros(batch, kv_heads, self.ring_size, dim, dtype=self.dtype, device=self.device)
         self.ring_values = torch.zeros_like(self.ring_keys)
         first_pos = max(0, n - self.config.window)
-        positions = list(range(first_pos, n))
-        slots = [p % self.ring_size for p in positions]
-        self.ring_keys[:, :, slots] = self.host.keys[:, :, first_pos:n].to(self.device)
-        self.ring_values[:, :, slots] = self.host.values[:, :, first_pos:n].to(self.device)
+        slots = torch.arange(first_pos, n, device=self.device) % self.ring_size
+        keys, values = self.host.read(first_pos, n)
+        self.ring_keys.index_copy_(2, slots, keys.to(self.device))
+        self.ring_values.index_copy_(2, slots, values.to(self.device))
+        if self.config.selector == "quest" and self.budget > 0:
+            keys, _ = self.host.read(0, n)
+            page_min, page_max = retrieval.page_bounds(keys, self.config.block_size)
+            self.page_min, self.page_max = page_min.to(self.device), page_max.to(self.device)
         self.decoding = True
-        if self.config.selector != "oracle":
+        if self.config.selector in ("exact", "block"):
             self.submit_selection(self.last_query, committed=n)
         self.last_query = None
+
+    def _update_pages(self, start: int, key_states: torch.Tensor) -> None:
+        """Recompute the Quest page bounds of the pages touched by positions `[start, start + q)`."""
+        page = self.config.block_size
+        first, last = start // page, (start + key_states.shape[2] - 1) // page
+        if last >= self.page_min.shape[2]:  # grow the metadata by whole pages
+            grow = last + 1 - self.page_min.shape[2]
+            pad = self.page_min.new_zeros(*self.page_min.shape[:2], grow, self.page_min.shape[3])
+            self.page_min, self.page_max = torch.cat([self.page_min, pad], 2), torch.cat([self.page_max, pad], 2)
+        self.host.wait_written()
+        keys, _ = self.host.read(first * page, self.host.length)
+        page_min, page_max = retrieval.page_bounds(keys, page)
+        self.page_min[:, :, first : last + 1] = page_min.to(self.device)
+        self.page_max[:, :, first : last + 1] = page_max.to(self.device)
 
     def submit_selection(self, query: torch.Tensor, committed: int) -> None:
         """Schedule the selection for the step whose committed length is `committed` tokens.
@@ -190,64 +259,59 @@ class DualLayer(CacheLayerMixin):
             return
         hi = max(0, committed - self.config.window)
         host_query = query.detach().to("cpu", torch.float32)
-        keys = self.host.keys[:, :, :hi]
         host = self.host
         candidates = self.state.candidates_below(hi)
-        budget, scaling, block = self.budget, self.scaling, (
-            self.config.block_size if self.config.selector == "block" else 1
-        )
+        budget, scaling, selector = self.budget, self.scaling, self.config.selector
+        block = self.config.block_size if selector == "block" else 1
+        pages = None
+        if selector == "quest" and hi > 0:
+            n_pages = -(-hi // self.config.block_size)
+            pages = (self.page_min[:, :, :n_pages].cpu(), self.page_max[:, :, :n_pages].cpu())
 
-        def job() -> Selection:
+        def job(staging: Selection) -> None:
             if hi == 0:
-                batch, kv_heads = host.shape_prefix
-                indices = torch.zeros(batch, kv_heads, budget, dtype=torch.long)
-                valid = torch.zeros(batch, kv_heads, budget, dtype=torch.bool)
+                staging.indices.zero_()
+                staging.valid.zero_()
             else:
-                indices, valid = retrieval.select(host_query, keys, candidates, budget, scaling, block)
-            sel_keys, sel_values = host.gather(indices)
-            return Selection(indices, valid, sel_keys, sel_values)
+                if not self.device.type == "cpu":
+                    host.wait_written()
+                if pages is not None:
+                    indices, valid = retrieval.select_pages(
+                        host_query, *pages, candidates, budget, self.config.block_size
+                    )
+                else:
+                    indices, valid = retrieval.select(
+                        host_query, host.key_chunks(hi), candidates, budget, scaling, block
+                    )
+                staging.indices.copy_(indices)
+                staging.valid.copy_(valid)
+            host.gather(staging.indices, out=(staging.keys, staging.values))
 
-        self.schedule.submit(self.layer_idx, job)
+        batch, kv_heads = host.shape_prefix
+        self.schedule.submit(self.layer_idx, job, (batch, kv_heads, budget, host.head_dim), host.dtype)
 
-    def decode_kv(
-        self, query: torch.Tensor, scaling: float
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Resident keys/values for the running step, ordered by position.
+    def decode_segments(self, query: torch.Tensor, scaling: float) -> list[KVSegment]:
+        """The device-resident KV segments the running step attends to: sink, selection, window ring.
 
         Args:
-            query: `(B, H_q, q, D)` queries of the step (q = 1 or 2), used only by the oracle selector.
+            query: `(B, H_q, q, D)` queries of the step (q = 1 or 2); the oracle and Quest selectors select with
+                the real token's query (slot 0) here, synchronously.
 
         Returns:
-            keys, values: `(B, H_kv, S, D)` with S = n_sink + budget + window + q;
-            positions: `(B, H_kv, S)` int64; valid: `(B, H_kv, S)` bool (False for unused slots).
+            `KVSegment`s read in place (no concatenation); the ring segment also holds the step's q new tokens.
         """
         q = query.shape[2]
         n = self.host.length  # includes the q new tokens
-        committed = n - q
-        batch, kv_heads = self.host.shape_prefix
-        parts_k, parts_v, parts_pos, parts_ok = [self.sink_keys], [self.sink_values], [
-            self.sink_pos[:, None, :].expand(batch, kv_heads, -1)
-        ], [self.sink_valid[:, None, :].expand(batch, kv_heads, -1)]
+        segments = [KVSegment(self.sink_keys, self.sink_values, self.sink_pos, self.sink_valid)]
         if self.budget > 0:
-            if self.config.selector == "oracle":
+            if self.config.selector in ("oracle", "quest"):
                 self.scaling = scaling
-                self.submit_selection(query[:, :, 0], committed=committed)
+                self.submit_selection(query[:, :, 0], committed=n - q)
             selection = self.schedule.acquire(self.layer_idx)
-            parts_k.append(selection.keys)
-            parts_v.append(selection.values)
-            parts_pos.append(selection.indices)
-            parts_ok.append(selection.valid)
-        window_pos = torch.arange(committed - self.config.window, n, device=self.device)
-        slots = window_pos.remainder(self.ring_size)
-        window_ok = window_pos[None, :] > self.sink_last  # (B, W+q); excludes sink, pads and negatives
-        parts_k.append(self.ring_keys[:, :, slots])
-        parts_v.append(self.ring_values[:, :, slots])
-        parts_pos.append(window_pos.clamp(min=0)[None, None, :].expand(batch, kv_heads, -1))
-        parts_ok.append(window_ok[:, None, :].expand(batch, kv_heads, -1))
-        return (
-            torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2), torch.cat(parts_pos, dim=2),
-            torch.cat(parts_ok, dim=2),
-        )
+            segments.append(KVSegment(selection.keys, selection.values, selection.indices, selection.valid))
+        ring_pos, ring_valid = self.state.ring_view(n, q, self.config.window, self.ring_size, self.sink_last)
+        segments.append(KVSegment(self.ring_keys, self.ring_values, ring_pos, ring_valid))
+        return segments
 
     def release(self) -> None:
         """The running step's attention at this layer is queued; its selection slot may be reused."""
@@ -256,8 +320,8 @@ class DualLayer(CacheLayerMixin):
 
     @property
     def device_bytes(self) -> int:
-        """Bytes of this layer's sink and window tiers on the device (selection slots are pooled)."""
-        tensors = (self.sink_keys, self.sink_values, self.ring_keys, self.ring_values)
+        """Bytes of this layer's device tiers: sink, window ring, Quest page metadata (selection slots are pooled)."""
+        tensors = (self.sink_keys, self.sink_values, self.ring_keys, self.ring_values, self.page_min, self.page_max)
         return sum(t.nbytes for t in tensors if t is not None)
 
     @property
@@ -269,7 +333,15 @@ class DualLayer(CacheLayerMixin):
         if self.host is None:
             return 0
         batch, kv_heads = self.host.shape_prefix
-        return 2 * batch * kv_heads * self.host.length * self.host.head_dim * self.host.keys.element_size()
+        element = torch.empty((), dtype=self.host.dtype).element_size()
+        return 2 * batch * kv_heads * self.host.length * self.host.head_dim * element
+
+    def free(self) -> None:
+        """Release host chunks and device tiers (the token count stays readable)."""
+        if self.host is not None:
+            self.host.free()
+        self.sink_keys = self.sink_values = self.ring_keys = self.ring_values = None
+        self.page_min = self.page_max = None
 
 
 class DualDecoderCache(Cache):
@@ -282,7 +354,8 @@ class DualDecoderCache(Cache):
         config: the model's `PretrainedConfig` (its text config is used); needs `num_hidden_layers`,
             `num_key_value_heads` and, for mixed models, `layer_types` + `sliding_window`.
         dual_config: a `DualDecoderConfig`; or give its fields as keyword arguments (`budget=256, ...`).
-        max_cache_len: expected total tokens (prompt + new), used to size the host store once (tokens).
+        max_cache_len: expected total tokens per sequence (prompt + new), checked against the host memory limit
+            before the first allocation (tokens).
 
     Raises:
         ValueError: for bad option values, or layer types this cache cannot serve (anything other than
@@ -317,18 +390,26 @@ class DualDecoderCache(Cache):
                     f"`layer_budgets` names layer {layer_idx}, but the model has {n_layers} layers (0..{n_layers - 1})."
                 )
         self.layer_types = list(layer_types)
+        self.kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        self.head_dim = getattr(text_config, "head_dim", None) or (
+            text_config.hidden_size // text_config.num_attention_heads
+        )
         self.state = _SequenceState()
         self.schedule: TransferSchedule | None = None
         self.max_cache_len = max_cache_len
         self.spec_hits = 0
         self.spec_steps = 0
+        self.host_limit: int | None = None
+        self.host_claimed = 0
+        self._final_stats: dict | None = None
+        self._timeline: list[dict] = []
         layers: list[CacheLayerMixin] = []
         for layer_idx, layer_type in enumerate(self.layer_types):
             if layer_type == SLIDING_ATTENTION:
                 layer = DynamicSlidingWindowLayer(sliding_window=sliding_window)
                 layer.activate_past_recording()  # keeps the speculated token until crop(-1) removes it
             else:
-                layer = DualLayer(layer_idx, self.dual_config, self.state, None, max_cache_len)
+                layer = DualLayer(layer_idx, self.dual_config, self)
             layers.append(layer)
         super().__init__(layers=layers)
 
@@ -337,12 +418,67 @@ class DualDecoderCache(Cache):
         return [layer for layer in self.layers if isinstance(layer, DualLayer)]
 
     def _ensure_schedule(self, device: torch.device) -> None:
-        if self.schedule is None or self.schedule.closed:
+        if self._final_stats is not None:
+            raise RuntimeError("This DualDecoderCache was closed; create a new one for the next generate() call.")
+        if self.schedule is None:
+            retrieving = [layer for layer in self.dual_layers if layer.budget > 0]
             self.schedule = TransferSchedule(
-                device, self.dual_config.layers_in_flight, self.dual_config.threads_for(torch.device(device))
+                device,
+                layer_order=[layer.layer_idx for layer in retrieving],
+                slot_tokens=max([layer.budget for layer in retrieving], default=0),
+                layers_in_flight=self.dual_config.layers_in_flight,
+                lookahead=self.dual_config.lookahead,
+                threads=self.dual_config.threads_for(torch.device(device)),
+                record_timeline=self.dual_config.record_timeline,
             )
-            for layer in self.dual_layers:
-                layer.schedule = self.schedule
+
+    def host_bytes_needed(self, batch_size: int, tokens: int, dtype: torch.dtype, kv_heads: int | None = None,
+                          head_dim: int | None = None) -> int:
+        """Host bytes the stores of every full-attention layer take for `tokens` tokens of `batch_size` sequences
+        (rounded up to whole chunks)."""
+        chunk = self.dual_config.host_chunk_tokens
+        per_chunk = HostKVStore.chunk_nbytes(
+            batch_size, kv_heads or self.kv_heads, head_dim or self.head_dim, dtype, chunk
+        )
+        return len(self.dual_layers) * per_chunk * -(-tokens // chunk)
+
+    def reserve_host(self, batch_size: int, tokens: int, dtype: torch.dtype, kv_heads: int | None = None,
+                     head_dim: int | None = None) -> None:
+        """Check, before anything is allocated, that `tokens` tokens per sequence fit in host memory.
+
+        Uses `max(tokens, max_cache_len)`. The limit is `max_host_bytes`, or 90% of the host memory available at
+        the first check.
+
+        Raises:
+            HostMemoryError: naming the bytes needed, the bytes allowed and the knobs to turn.
+        """
+        if self.host_claimed:
+            return  # already allocating: each further chunk is checked by `claim_host_bytes`
+        tokens = max(tokens, self.max_cache_len or 0)
+        needed = self.host_bytes_needed(batch_size, tokens, dtype, kv_heads, head_dim)
+        if self.host_limit is None:
+            configured = self.dual_config.max_host_bytes
+            self.host_limit = configured if configured is not None else int(0.9 * available_host_bytes())
+        if self.host_claimed + needed > self.host_limit:
+            raise HostMemoryError(
+                f"The dual cache needs {needed / 2**30:.2f} GiB of host memory for {batch_size} sequence(s) of "
+                f"{tokens} tokens ({len(self.dual_layers)} full-attention layers), but may use "
+                f"{(self.host_limit - self.host_claimed) / 2**30:.2f} GiB more (max_host_bytes="
+                f"{self.dual_config.max_host_bytes}). Lower the batch size, the prompt length or max_new_tokens, "
+                "or raise `max_host_bytes` in cache_config."
+            )
+
+    def claim_host_bytes(self, nbytes: int) -> None:
+        """Account for a host chunk about to be allocated; raises `HostMemoryError` past the limit."""
+        if self.host_limit is None:
+            self.reserve_host(1, 0, torch.float32)  # sets the limit
+        if self.host_claimed + nbytes > self.host_limit:
+            raise HostMemoryError(
+                f"The dual cache's host stores would exceed {self.host_limit / 2**30:.2f} GiB (another "
+                f"{nbytes / 2**20:.1f} MiB chunk requested). Lower the batch size or the number of tokens, or raise "
+                "`max_host_bytes` in cache_config."
+            )
+        self.host_claimed += nbytes
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Store `(B, H_kv, q, D)` new keys/values of `layer_idx` (transformers `Cache.update` contract)."""
@@ -372,8 +508,11 @@ class DualDecoderCache(Cache):
         sink_count = valid.long().cumsum(dim=1)
         is_sink = valid & (sink_count <= n_sink)
         positions = torch.arange(n).expand(batch, n)
-        self.state.sink_last = torch.where(is_sink, positions, torch.full_like(positions, -1)).amax(dim=1)
+        first_real = torch.where(valid, positions, torch.full_like(positions, n)).amin(dim=1)
+        last_sink = torch.where(is_sink, positions, torch.full_like(positions, -1)).amax(dim=1)
+        self.state.sink_last = torch.maximum(last_sink, first_real - 1)  # pads lie at or below it
         self.state.candidates = {}
+        self.state.ring = {}
         for layer in dual:
             layer.start_decoding()
 
@@ -400,17 +539,22 @@ class DualDecoderCache(Cache):
         raise NotImplementedError("DualDecoderCache cannot drop sequences after prefill.")
 
     def stats(self) -> dict[str, float]:
-        """Memory and traffic accounting.
+        """Memory, traffic and pipeline accounting (frozen when the cache is closed).
 
         Returns a dict with:
             device_bytes: bytes resident on the compute device while decoding (sink + window tiers of full
-                layers, the selection pool, the windows of sliding layers);
+                layers, Quest page metadata, the selection pool, the windows of sliding layers);
             host_bytes: bytes of the host stores;
             dense_equivalent_bytes: bytes a `DynamicCache` would hold on the device for the same tokens;
-            bytes_copied: host→device bytes of selections so far;
+            bytes_copied: host→device bytes of selections so far (K, V, indices, validity);
             spec_hits, spec_steps: speculated tokens that equalled the real one / speculated tokens;
-            seq_length: tokens stored.
+            seq_length: tokens stored; steps: decode forward passes;
+            retrieval_seconds, copy_seconds: host time spent scoring + gathering, and issuing copies;
+            wait_seconds: time the compute side waited for selections (all of it on the synchronous path);
+            overlap_ratio: `1 − wait / (retrieval + copy)` (nan before the first decode step).
         """
+        if self._final_stats is not None:
+            return dict(self._final_stats)
         device = host = dense = 0
         for layer in self.layers:
             if isinstance(layer, DualLayer):
@@ -421,22 +565,49 @@ class DualDecoderCache(Cache):
                 nbytes = layer.keys.nbytes + layer.values.nbytes
                 device += nbytes
                 dense += nbytes
-        if self.schedule is not None:
-            device += self.schedule.peak_device_bytes  # the pool's size while decoding (freed by close())
+        schedule = self.schedule
+        if schedule is not None:
+            device += schedule.device_bytes
         return {
             "device_bytes": device,
             "host_bytes": host,
             "dense_equivalent_bytes": dense,
-            "bytes_copied": 0 if self.schedule is None else self.schedule.bytes_copied,
+            "bytes_copied": 0 if schedule is None else schedule.bytes_copied,
             "spec_hits": self.spec_hits,
             "spec_steps": self.spec_steps,
             "seq_length": self.get_seq_length(),
+            "steps": 0 if schedule is None else schedule.steps,
+            "retrieval_seconds": 0.0 if schedule is None else schedule.retrieval_seconds,
+            "copy_seconds": 0.0 if schedule is None else schedule.copy_seconds,
+            "wait_seconds": 0.0 if schedule is None else schedule.wait_seconds,
+            "overlap_ratio": float("nan") if schedule is None else schedule.overlap_ratio(),
         }
 
+    def timeline(self) -> list[dict]:
+        """Per-(step, layer) pipeline records (needs `record_timeline=True`); see `TransferSchedule.timeline`."""
+        return list(self._timeline) if self._final_stats is not None else (
+            [] if self.schedule is None else self.schedule.timeline()
+        )
+
+    def dump_timeline(self, path: str) -> None:
+        """Write `{"stats": stats(), "timeline": timeline()}` as JSON to `path`."""
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump({"stats": self.stats(), "timeline": self.timeline()}, handle, indent=1)
+
     def close(self) -> None:
-        """Stop the retrieval thread and free the device selection pool. Idempotent; stats stay readable."""
-        if self.schedule is not None:
-            self.schedule.close()
+        """Stop the retrieval thread, free the device tiers, the selection pool and the host stores (pinned or
+        registered memory included). Idempotent; `stats()`, `timeline()` and `get_seq_length()` stay readable."""
+        if self._final_stats is not None:
+            return
+        final, timeline = self.stats(), self.timeline()
+        try:
+            if self.schedule is not None:
+                self.schedule.close()
+        finally:
+            self._final_stats, self._timeline = final, timeline
+            self.schedule = None
+            for layer in self.dual_layers:
+                layer.free()
 
     def __del__(self) -> None:
         try:

@@ -1,4 +1,5 @@
-"""`dual-decoder` command line: `generate` over a document, and `demo` on the embedded model."""
+"""`dual-decoder` command line: `generate` over a document and `demo` on the embedded model (here); `bench`, `eval`,
+`card` and `export-generate` are added by their own modules."""
 
 from __future__ import annotations
 
@@ -159,17 +160,25 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     dual_options(demo)
     demo.set_defaults(func=cmd_demo)
+
+    from .eval import bench_cli, eval_cli
+    from . import hub_cli
+
+    bench_cli.add_parser(sub)  # `bench`
+    eval_cli.add_parser(sub)  # `eval`
+    hub_cli.add_parser(sub)  # `card`, `export-generate`
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `dual-decoder` console script."""
     args = build_parser().parse_args(argv)
-    try:
-        _dual_config(args)  # validate options before loading anything
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    if args.func in (cmd_generate, cmd_demo):
+        try:
+            _dual_config(args)  # validate options before loading anything
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     return args.func(args)
 
 

@@ -8,8 +8,10 @@ from typing import Any, Mapping
 
 import torch
 
+from .kernels import BACKENDS as ATTENTION_KERNELS
+
 SPECULATORS = ("self", "ngram", "none")
-SELECTORS = ("exact", "block", "oracle")
+SELECTORS = ("exact", "block", "oracle", "quest")
 
 
 @dataclass
@@ -22,26 +24,39 @@ class DualDecoderConfig:
         n_sink: first real (non-pad) prompt tokens kept resident on the device (tokens).
         window: most recent tokens kept resident on the device, a ring buffer (tokens).
         block_size: retrieval granularity in tokens; 1 is token-level top-k, >1 scores and retrieves whole
-            contiguous blocks (only used by `selector="block"`).
+            contiguous blocks (`selector="block"`) or is the page size of `selector="quest"`.
         early_layers: the first `early_layers` layers retrieve `max(budget, early_layer_budget)` entries: they are
             far less sparse (DESIGN.md §2: top-256 holds ~50% of the attention mass in layer 0 of the embedded
             model vs ~95% from layer 3 on). 0 disables.
         early_layer_budget: budget of those early layers (tokens per KV head).
         layer_budgets: per-layer override `{layer_idx: budget}`, taking precedence over everything else.
         layers_in_flight: device slots of the layer-scoped selection buffer pool; device bytes for retrieved
-            entries are `layers_in_flight × B × H_kv × budget × D × 2 × dtype bytes`.
+            entries are `layers_in_flight × B × H_kv × max budget × (2 × D × dtype bytes + 9)` (K, V, int64
+            index, bool validity), independent of context length and layer count.
+        lookahead: layers between issuing a selection's host→device copy and the layer that uses it; must be
+            smaller than `layers_in_flight`.
         speculator: how the speculated token x̂ is proposed. `"self"`: argmax of the model's own logits at the
             speculated slot (two tokens per forward). `"ngram"`: prompt lookup (transformers'
             `PromptLookupCandidateGenerator`), falling back to `"self"` where it finds no match. `"none"`: one
             token per forward; the real token's query selects for the next step.
         selector: `"exact"` top-k over host keys, `"block"` block-level top-k, `"oracle"` selects with the
-            real token's own query synchronously at the step that uses it (evaluation upper bound only).
+            real token's own query synchronously at the step that uses it (evaluation upper bound only),
+            `"quest"` the Quest baseline (Tang et al., 2024): pages of `block_size` tokens ranked by a min/max
+            key bound against the real token's query at the step that uses it; its page metadata counts as
+            device bytes (evaluation baseline).
         retrieval_threads: host threads running retrieval ahead of the compute; 0 runs retrieval
             synchronously on the calling thread (the reference path; identical tokens); None picks 1 when the
             model runs on CUDA and 0 on CPU (where the thread only competes with the compute for cores).
         prefill_chunk_size: prompt tokens per prefill forward pass (tokens).
         ngram_size: maximum n-gram length matched by the `"ngram"` speculator (tokens).
         prefill_progress: show a tqdm progress bar over prefill chunks.
+        host_chunk_tokens: the host store grows in chunks of this many tokens (appending never copies what is
+            stored).
+        max_host_bytes: host bytes the cache may allocate (all layers); None = 90% of the memory available when
+            the cache is sized. A request that cannot fit raises `HostMemoryError` before anything is allocated.
+        record_timeline: keep a per-(step, layer) timeline of retrieval, copy and attention (`cache.timeline()`).
+        attention_kernel: decode attention implementation: `"auto"` (Triton on CUDA when available, else the
+            torch reference), `"torch"`, or `"triton"`.
 
     Raises:
         ValueError: from `validate()` (called on construction) for any out-of-range or inconsistent value,
@@ -62,6 +77,11 @@ class DualDecoderConfig:
     prefill_chunk_size: int = 8192
     ngram_size: int = 3
     prefill_progress: bool = False
+    lookahead: int = 1
+    host_chunk_tokens: int = 4096
+    max_host_bytes: int | None = None
+    record_timeline: bool = False
+    attention_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         self.layer_budgets = {int(k): v for k, v in dict(self.layer_budgets or {}).items()}
@@ -117,6 +137,17 @@ class DualDecoderConfig:
             _int("retrieval_threads", self.retrieval_threads, 0)
         _int("prefill_chunk_size", self.prefill_chunk_size, 1)
         _int("ngram_size", self.ngram_size, 1)
+        _int("lookahead", self.lookahead, 0)
+        _int("host_chunk_tokens", self.host_chunk_tokens, 1)
+        if self.max_host_bytes is not None:
+            _int("max_host_bytes", self.max_host_bytes, 1)
+        if self.lookahead >= self.layers_in_flight:
+            raise ValueError(
+                f"`lookahead` ({self.lookahead}) must be smaller than `layers_in_flight` ({self.layers_in_flight}): "
+                "each copy issued ahead needs its own device slot. Raise layers_in_flight or lower lookahead."
+            )
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"`attention_kernel` must be one of {ATTENTION_KERNELS}, got {self.attention_kernel!r}.")
         if self.retrieval_threads is not None and self.retrieval_threads > 1:
             raise ValueError(
                 "`retrieval_threads` must be 0 (synchronous) or 1: layers are retrieved in order by one host "
@@ -130,14 +161,15 @@ class DualDecoderConfig:
             raise ValueError(f"`speculator` must be one of {SPECULATORS}, got {self.speculator!r}.")
         if self.selector not in SELECTORS:
             raise ValueError(f"`selector` must be one of {SELECTORS}, got {self.selector!r}.")
-        if self.selector == "block":
+        if self.selector in ("block", "quest"):
             for name, value in [("budget", self.budget), ("early_layer_budget", self.early_layer_budget), *[
                 (f"layer_budgets[{i}]", b) for i, b in self.layer_budgets.items()
             ]]:
                 if value % self.block_size:
                     raise ValueError(
                         f"`{name}`={value} must be a multiple of `block_size`={self.block_size} with "
-                        "selector='block'; change the budget or the block size."
+                        f"selector={self.selector!r}; change the budget or the block size."
                     )
-        if not isinstance(self.prefill_progress, bool):
-            raise ValueError(f"`prefill_progress` must be a bool, got {self.prefill_progress!r}.")
+        for name in ("prefill_progress", "record_timeline"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")

@@ -108,6 +108,7 @@ def dual_sample(
         )
 
     try:
+        cache.reserve_host(batch, max(generation_config.max_length, prompt_len) + 1, model.dtype)
         with dual_attention_enabled(model), torch.inference_mode():
             chunk = config.prefill_chunk_size
             starts = range(0, prompt_len, chunk)

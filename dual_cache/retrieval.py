@@ -5,27 +5,37 @@ Pure torch on host tensors; knows nothing of transformers, caches or devices.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
+Keys = torch.Tensor | Sequence[torch.Tensor]
 
-def group_attention_mass(
-    query: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor, scaling: float
-) -> torch.Tensor:
+
+def _logits(query: torch.Tensor, keys: Keys) -> torch.Tensor:
+    """`(B, H_kv, G, n)` float32 query·key products, keys given whole or as chunks along the position axis."""
+    chunks = [keys] if isinstance(keys, torch.Tensor) else list(keys)
+    batch, q_heads, dim = query.shape
+    kv_heads = chunks[0].shape[1]
+    grouped = query.reshape(batch, kv_heads, q_heads // kv_heads, dim).to(chunks[0].dtype)
+    parts = [torch.matmul(grouped, chunk.transpose(-1, -2)) for chunk in chunks]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).float()
+
+
+def group_attention_mass(query: torch.Tensor, keys: Keys, candidates: torch.Tensor, scaling: float) -> torch.Tensor:
     """Attention probability of each candidate key, summed over the query heads of each GQA group.
 
     Args:
         query: `(B, H_q, D)` float queries (after RoPE) of the token whose attention is predicted.
-        keys: `(B, H_kv, n, D)` host keys of positions `[0, n)`; `H_q` must be a multiple of `H_kv`.
+        keys: `(B, H_kv, n, D)` host keys of positions `[0, n)`, or a list of such tensors that concatenate along
+            the position axis to it (the host store's chunks); `H_q` must be a multiple of `H_kv`.
         candidates: `(B, n)` bool, True where a position may be selected.
         scaling: softmax scale (usually `D ** -0.5`).
 
     Returns:
         `(B, H_kv, n)` float32 mass in `[0, G]` (G = H_q / H_kv); 0 at non-candidates.
     """
-    batch, q_heads, dim = query.shape
-    kv_heads = keys.shape[1]
-    grouped = query.reshape(batch, kv_heads, q_heads // kv_heads, dim).to(keys.dtype)
-    logits = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scaling  # (B, H_kv, G, n)
+    logits = _logits(query, keys) * scaling  # (B, H_kv, G, n)
     logits.masked_fill_(~candidates[:, None, None, :], float("-inf"))
     probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # rows without candidates give NaN → 0
     return probs.sum(dim=2)
@@ -62,10 +72,19 @@ def select_blocks(
     n_blocks = -(-n // block_size)
     padded = torch.nn.functional.pad(mass, (0, n_blocks * block_size - n))
     block_mass = padded.view(batch, kv_heads, n_blocks, block_size).sum(-1)
+    return _top_blocks(block_mass, candidates, budget, block_size)
+
+
+def _top_blocks(
+    block_score: torch.Tensor, candidates: torch.Tensor, budget: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token positions of the `budget // block_size` best blocks of `block_score` `(B, H_kv, n_blocks)`."""
+    batch, kv_heads, n_blocks = block_score.shape
+    n = candidates.shape[1]
     k_blocks = min(budget // block_size, n_blocks)
-    top = torch.topk(block_mass, k_blocks, dim=-1, sorted=False).indices
+    top = torch.topk(block_score, k_blocks, dim=-1, sorted=False).indices
     blocks, _ = torch.sort(top, dim=-1)
-    offsets = torch.arange(block_size, device=mass.device)
+    offsets = torch.arange(block_size, device=block_score.device)
     indices = (blocks[..., None] * block_size + offsets).flatten(2)
     in_range = indices < n
     indices = torch.where(in_range, indices, torch.zeros_like(indices))
@@ -77,9 +96,59 @@ def select_blocks(
     return indices, valid
 
 
+def page_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Element-wise minimum and maximum key of each page of `page_size` consecutive positions (Quest, §3.2).
+
+    Args:
+        keys: `(B, H_kv, n, D)`; the last page may be partial.
+
+    Returns:
+        `(page_min, page_max)`, each `(B, H_kv, ceil(n / page_size), D)` in `keys.dtype`.
+    """
+    batch, kv_heads, n, dim = keys.shape
+    n_pages = -(-n // page_size)
+    pad = n_pages * page_size - n
+    if pad:  # repeat the last key: it changes neither bound
+        keys = torch.cat([keys, keys[:, :, -1:].expand(batch, kv_heads, pad, dim)], dim=2)
+    paged = keys.view(batch, kv_heads, n_pages, page_size, dim)
+    return paged.amin(dim=3), paged.amax(dim=3)
+
+
+def select_pages(
+    query: torch.Tensor,
+    page_min: torch.Tensor,
+    page_max: torch.Tensor,
+    candidates: torch.Tensor,
+    budget: int,
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quest-style page selection (Tang et al., 2024, "Quest", §3.2): rank pages by an upper bound of q·k.
+
+    The bound of a page is `Σ_d max(q_d · min_d, q_d · max_d)`, summed over the query heads of each GQA group;
+    the top `budget // page_size` pages among those holding a candidate are returned as token positions.
+
+    Args:
+        query: `(B, H_q, D)`; page_min, page_max: `(B, H_kv, P, D)` from `page_bounds` over positions `[0, n)`.
+        candidates: `(B, n)` bool selectable positions; budget: tokens per KV head (multiple of page_size).
+
+    Returns:
+        `(indices, valid)` as `select_topk` (positions past `n` or outside the candidates are invalid).
+    """
+    batch, q_heads, dim = query.shape
+    kv_heads, n_pages = page_min.shape[1], page_min.shape[2]
+    n = candidates.shape[1]
+    grouped = query.reshape(batch, kv_heads, q_heads // kv_heads, 1, dim).float()
+    bound = torch.maximum(grouped * page_min[:, :, None].float(), grouped * page_max[:, :, None].float())
+    score = bound.sum(-1).sum(2)  # (B, H_kv, P)
+    padded = torch.nn.functional.pad(candidates, (0, n_pages * page_size - n))
+    has_candidate = padded.view(batch, n_pages, page_size).any(-1)
+    score = score.masked_fill(~has_candidate[:, None, :], float("-inf"))
+    return _top_blocks(score, candidates, budget, page_size)
+
+
 def select(
     query: torch.Tensor,
-    keys: torch.Tensor,
+    keys: Keys,
     candidates: torch.Tensor,
     budget: int,
     scaling: float,
@@ -88,7 +157,7 @@ def select(
     """Choose `budget` entries per (sequence, KV head) that `query` attends to most.
 
     Args:
-        query: `(B, H_q, D)`; keys: `(B, H_kv, n, D)`; candidates: `(B, n)` bool (see `group_attention_mass`).
+        query: `(B, H_q, D)`; keys: `(B, H_kv, n, D)` or its chunks; candidates: `(B, n)` bool (see `group_attention_mass`).
         budget: entries per KV head (tokens); block_size: 1 for token-level, else block-level selection.
 
     Returns:

@@ -1,17 +1,23 @@
-"""Transfer schedule: runs retrieval jobs on a host thread and lands their results in a layer-scoped device pool.
+"""Transfer schedule (DESIGN.md §2, steps 1 and 3): retrieval jobs on a host thread, their results copied into a
+layer-scoped device buffer pool `lookahead` layers before the layer needs them.
 
-The device holds `layers_in_flight` selection slots, not one per layer. Layer `l` uses slot
-`l % layers_in_flight`; its copy is issued on a dedicated copy stream that first waits for the slot's previous
-user to finish (a "free" event recorded after that layer's attention), and the compute stream waits on the
-copy's "ready" event only when layer `l` needs it. On CPU the "device" is host memory, events are no-ops and the
-copy is a plain copy; the logic is shared.
+Per decode step every full-attention layer `l` with a budget uses one selection. Its retrieval job (top-k over the
+host keys, gather into the layer's host staging buffer) is submitted during the previous step; its host→device copy
+is issued when layer `l - lookahead` (cyclically, across steps) acquires its own selection, into the next slot of a
+pool of `layers_in_flight` device slots taken round-robin in order of use; the compute side waits for that copy only
+when layer `l` acquires. A slot is overwritten only after the attention of its previous user was queued
+(`release`). On CUDA the copies run on a dedicated copy stream ordered by events (slot "free" events recorded on the
+compute stream, "ready" events recorded on the copy stream); the staging buffers are pinned and a retrieval job
+waits for the previous copy out of its layer's staging buffer before overwriting it. On CPU the "device" is host
+memory, the copy is a plain copy and the ordering is program order; everything else is shared.
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -33,121 +39,257 @@ class Selection:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the K/V payload (what crosses host→device)."""
-        return self.keys.nbytes + self.values.nbytes
+        """Bytes of the payload that crosses host→device (K, V, indices and validity)."""
+        return sum(t.nbytes for t in (self.indices, self.valid, self.keys, self.values))
+
+    @classmethod
+    def empty(cls, batch: int, kv_heads: int, tokens: int, dim: int, dtype: torch.dtype, device, pin: bool = False):
+        """Uninitialised buffers of `tokens` entries per (sequence, KV head)."""
+        return cls(
+            torch.empty(batch, kv_heads, tokens, dtype=torch.long, device=device, pin_memory=pin),
+            torch.empty(batch, kv_heads, tokens, dtype=torch.bool, device=device, pin_memory=pin),
+            torch.empty(batch, kv_heads, tokens, dim, dtype=dtype, device=device, pin_memory=pin),
+            torch.empty(batch, kv_heads, tokens, dim, dtype=dtype, device=device, pin_memory=pin),
+        )
+
+    def narrow(self, tokens: int) -> "Selection":
+        """Views of the first `tokens` entries."""
+        return Selection(
+            self.indices[..., :tokens], self.valid[..., :tokens], self.keys[..., :tokens, :],
+            self.values[..., :tokens, :],
+        )
+
+    def copy_from(self, other: "Selection", non_blocking: bool = False) -> None:
+        for dst, src in zip((self.indices, self.valid, self.keys, self.values),
+                            (other.indices, other.valid, other.keys, other.values)):
+            dst.copy_(src, non_blocking=non_blocking)
+
+
+_Record = dict  # timeline entry of one (step, layer): seconds since the schedule started, bytes, slot
 
 
 class TransferSchedule:
-    """Retrieval jobs in layer order on one host thread, results copied into `layers_in_flight` device slots.
+    """Retrieval on a host thread, copies `lookahead` layers ahead into `layers_in_flight` pooled device slots.
 
     Args:
         device: where attention runs.
-        layers_in_flight: number of device slots.
+        layer_order: the layers that retrieve, in the order the model runs them.
+        slot_tokens: entries per (sequence, KV head) of each device slot: the largest layer budget.
+        layers_in_flight: device slots of the pool.
+        lookahead: layers between issuing a copy and using it; `< layers_in_flight`.
         threads: 0 runs each job synchronously at `submit` (the reference path); 1 runs jobs on a host thread.
+        record_timeline: keep a per-(step, layer) record of every phase (`timeline()`).
 
     Raises:
+        ValueError: if `lookahead >= layers_in_flight` (a slot would be overwritten before it is used).
         KeyError: from `acquire` when no job was submitted for that layer.
     """
 
-    def __init__(self, device: torch.device, layers_in_flight: int, threads: int) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        layer_order: Sequence[int],
+        slot_tokens: int,
+        layers_in_flight: int,
+        lookahead: int,
+        threads: int,
+        record_timeline: bool = False,
+    ) -> None:
+        if not 0 <= lookahead < layers_in_flight:
+            raise ValueError(
+                f"`lookahead` ({lookahead}) must be smaller than `layers_in_flight` ({layers_in_flight}): copies "
+                "issued ahead need their own device slots. Raise layers_in_flight or lower lookahead."
+            )
         self.device = torch.device(device)
+        self.order = list(layer_order)
+        self._next_in_order = {layer: self.order[(i + 1) % len(self.order)] for i, layer in enumerate(self.order)}
+        self.slot_tokens = slot_tokens
         self.layers_in_flight = layers_in_flight
+        self.lookahead = lookahead
+        self.record_timeline = record_timeline
+        self._cuda = self.device.type == "cuda"
         self._executor = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="dual-retriever") if threads > 0 else None
         )
-        self._pending: dict[int, Future | Selection] = {}
-        self._slots: list[Selection | None] = [None] * layers_in_flight
-        self._cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
-        self._free_events: list[torch.cuda.Event | None] = [None] * layers_in_flight
+        self._pending: dict[int, tuple[Future | None, _Record]] = {}
+        self._issued: dict[int, tuple[Selection, _Record, object]] = {}  # layer -> (device view, record, ready)
+        self._staging: dict[int, Selection] = {}
+        self._staging_free: dict[int, torch.cuda.Event] = {}
+        self._slots: list[Selection] = []
+        self._slot_free: list[torch.cuda.Event | None] = [None] * layers_in_flight
+        self._next_slot = 0
+        self._in_use: dict[int, tuple[int, _Record]] = {}
+        self._t0 = time.perf_counter()
+        self._timeline: list[_Record] = []
+        self.steps = 0
         self.bytes_copied = 0
-        self.peak_device_bytes = 0
+        self.retrieval_seconds = 0.0
+        self.copy_seconds = 0.0
+        self.wait_seconds = 0.0
         self.closed = False
 
-    def submit(self, layer_idx: int, job: Callable[[], Selection]) -> None:
-        """Schedule `job` (returns a host `Selection`) for the next use of `layer_idx`."""
-        if self._executor is None:
-            self._pending[layer_idx] = job()
-        else:
-            self._pending[layer_idx] = self._executor.submit(job)
+    # --- host side -----------------------------------------------------------------------------------
+    def submit(
+        self, layer_idx: int, job: Callable[[Selection], None], shape: tuple[int, int, int, int], dtype: torch.dtype
+    ) -> None:
+        """Schedule `job` for the next use of `layer_idx`.
 
-    def acquire(self, layer_idx: int) -> Selection:
-        """Wait for `layer_idx`'s job, copy its result into the layer's device slot; return the device views."""
-        pending = self._pending.pop(layer_idx)
-        host = pending.result() if isinstance(pending, Future) else pending
-        slot_idx = layer_idx % self.layers_in_flight
-        slot = self._slot(slot_idx, host)
-        k = host.indices.shape[-1]
-        view = Selection(
-            slot.indices[..., :k], slot.valid[..., :k], slot.keys[..., :k, :], slot.values[..., :k, :]
-        )
-        if self._cuda:
-            with torch.cuda.stream(self._copy_stream):
-                if self._free_events[slot_idx] is not None:
-                    self._copy_stream.wait_event(self._free_events[slot_idx])
-                for dst, src in zip(
-                    (view.indices, view.valid, view.keys, view.values),
-                    (host.indices, host.valid, host.keys, host.values),
-                ):
-                    dst.copy_(src, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record(self._copy_stream)
-            torch.cuda.current_stream(self.device).wait_event(ready)
+        Args:
+            job: fills the given host staging `Selection` (indices, valid, keys, values) in place.
+            shape: `(B, H_kv, k, D)` of that selection; dtype: K/V dtype.
+        """
+        staging = self._staging.get(layer_idx)
+        if staging is None or tuple(staging.keys.shape) != tuple(shape) or staging.keys.dtype != dtype:
+            staging = Selection.empty(*shape, dtype=dtype, device="cpu", pin=self._cuda)
+            self._staging[layer_idx] = staging
+        record = _Record(layer=layer_idx)
+        free = self._staging_free.get(layer_idx)
+
+        def run() -> None:
+            if free is not None:
+                free.synchronize()  # the previous copy out of this staging buffer has finished
+            start = time.perf_counter()
+            with torch.inference_mode():  # buffers are inference tensors (allocated under generate's mode)
+                job(staging)
+            end = time.perf_counter()
+            record.update(retrieval_start=start - self._t0, retrieval_end=end - self._t0)
+
+        if self._executor is None:
+            run()
+            self.wait_seconds += record["retrieval_end"] - record["retrieval_start"]  # the compute side ran it
+            self._pending[layer_idx] = (None, record)
         else:
-            for dst, src in zip(
-                (view.indices, view.valid, view.keys, view.values),
-                (host.indices, host.valid, host.keys, host.values),
-            ):
-                dst.copy_(src)
-        self.bytes_copied += host.nbytes
+            self._pending[layer_idx] = (self._executor.submit(run), record)
+
+    # --- compute side --------------------------------------------------------------------------------
+    def acquire(self, layer_idx: int) -> Selection:
+        """The device selection of `layer_idx` for the running step; issues the copies `lookahead` layers ahead.
+
+        Raises:
+            KeyError: when no job was submitted for `layer_idx`.
+        """
+        if layer_idx == self.order[0]:
+            self.steps += 1
+        if layer_idx not in self._issued:
+            self._issue_copy(layer_idx)
+        ahead = layer_idx
+        for _ in range(self.lookahead):
+            ahead = self._next_in_order[ahead]
+            if ahead in self._pending and ahead not in self._issued:
+                self._issue_copy(ahead)
+        view, record, ready = self._issued.pop(layer_idx)
+        if self._cuda:
+            torch.cuda.current_stream(self.device).wait_event(ready)
+        record.update(step=self.steps, attention_start=time.perf_counter() - self._t0)
+        self._in_use[layer_idx] = (record["slot"], record)
         return view
 
     def release(self, layer_idx: int) -> None:
-        """Mark `layer_idx`'s slot reusable once the work queued so far on the compute stream is done."""
+        """`layer_idx`'s attention is queued on the compute stream; its slot may be reused after it."""
+        slot_idx, record = self._in_use.pop(layer_idx)
         if self._cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
-            self._free_events[layer_idx % self.layers_in_flight] = event
+            self._slot_free[slot_idx] = event
+        record["attention_end"] = time.perf_counter() - self._t0
+        if self.record_timeline:
+            self._timeline.append(record)
+
+    def _issue_copy(self, layer_idx: int) -> None:
+        future, record = self._pending.pop(layer_idx)
+        start = time.perf_counter()
+        if future is not None:
+            future.result()  # re-raises a failed job here, on the compute side
+        waited = time.perf_counter() - start
+        self.wait_seconds += waited
+        self.retrieval_seconds += record["retrieval_end"] - record["retrieval_start"]
+        staging = self._staging[layer_idx]
+        slot_idx = self._next_slot
+        self._next_slot = (self._next_slot + 1) % self.layers_in_flight
+        view = self._slot(slot_idx, staging).narrow(staging.keys.shape[2])
+        copy_start = time.perf_counter()
+        ready = None
+        if self._cuda:
+            with torch.cuda.stream(self._copy_stream):
+                if self._slot_free[slot_idx] is not None:
+                    self._copy_stream.wait_event(self._slot_free[slot_idx])
+                view.copy_from(staging, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(self._copy_stream)
+            self._staging_free[layer_idx] = ready
+        else:
+            view.copy_from(staging)
+        copy_end = time.perf_counter()
+        self.copy_seconds += copy_end - copy_start
+        if not self._cuda:
+            self.wait_seconds += copy_end - copy_start  # a CPU copy blocks the compute side
+        self.bytes_copied += staging.nbytes
+        record.update(
+            waited=waited, copy_start=copy_start - self._t0, copy_end=copy_end - self._t0, slot=slot_idx,
+            bytes=staging.nbytes,
+        )
+        self._issued[layer_idx] = (view, record, ready)
 
     def _slot(self, slot_idx: int, like: Selection) -> Selection:
+        if not self._slots:
+            batch, kv_heads, _, dim = like.keys.shape
+            self._slots = [
+                Selection.empty(batch, kv_heads, self.slot_tokens, dim, like.keys.dtype, self.device)
+                for _ in range(self.layers_in_flight)
+            ]
         slot = self._slots[slot_idx]
-        if slot is None or slot.keys.shape[-2] < like.keys.shape[-2] or slot.keys.shape[:2] != like.keys.shape[:2]:
-            if self._cuda and self._free_events[slot_idx] is not None:
-                self._free_events[slot_idx].synchronize()  # only on (re)allocation, never per step
-            slot = Selection(
-                torch.empty(like.indices.shape, dtype=like.indices.dtype, device=self.device),
-                torch.empty(like.valid.shape, dtype=like.valid.dtype, device=self.device),
-                torch.empty(like.keys.shape, dtype=like.keys.dtype, device=self.device),
-                torch.empty(like.values.shape, dtype=like.values.dtype, device=self.device),
+        if slot.keys.shape[2] < like.keys.shape[2] or slot.keys.shape[:2] != like.keys.shape[:2]:
+            raise ValueError(
+                f"A selection of shape {tuple(like.keys.shape)} does not fit the device slots "
+                f"{tuple(slot.keys.shape)}; every layer's budget must be <= slot_tokens and the batch fixed."
             )
-            self._slots[slot_idx] = slot
-            self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
         return slot
 
+    # --- accounting ----------------------------------------------------------------------------------
     @property
     def device_bytes(self) -> int:
-        """Bytes held by the device slots (K, V, indices and validity)."""
-        return sum(
-            s.keys.nbytes + s.values.nbytes + s.indices.nbytes + s.valid.nbytes for s in self._slots if s is not None
-        )
+        """Bytes of the device slot pool (K, V, indices and validity): independent of context and layer count."""
+        return sum(s.nbytes for s in self._slots)
 
+    def overlap_ratio(self) -> float:
+        """`1 − waited / (retrieval + copy)`: 1 when retrieval and copies hide behind compute; nan before any."""
+        busy = self.retrieval_seconds + self.copy_seconds
+        return float("nan") if busy == 0 else max(0.0, 1.0 - self.wait_seconds / busy)
+
+    def timeline(self) -> list[dict]:
+        """Per-(step, layer) records: `step`, `layer`, `slot`, `bytes`, `waited` (s) and `retrieval_start/end`,
+        `copy_start/end`, `attention_start/end` in seconds since the schedule started (host clock; on CUDA the
+        copy and attention times are when they were issued). Empty unless `record_timeline`."""
+        return [dict(r) for r in self._timeline]
+
+    # --- lifecycle -----------------------------------------------------------------------------------
     def reset(self) -> None:
-        """Drop pending jobs (waiting for running ones); keep the slots."""
-        for pending in self._pending.values():
-            if isinstance(pending, Future):
-                pending.cancel()
-                if not pending.cancelled():
-                    pending.exception()  # waits; a failed job must not leak into the next use
+        """Drop pending jobs and issued copies (waiting for a running job); keep the slots."""
+        for future, _ in self._pending.values():
+            if future is not None:
+                future.cancel()
+                if not future.cancelled():
+                    future.exception()  # waits; a failed job must not leak into the next use
         self._pending.clear()
+        self._issued.clear()
+        self._in_use.clear()
+        self._next_slot = 0
 
     def close(self) -> None:
-        """Stop the host thread and free the device slots. Idempotent; safe on any exit path."""
+        """Stop the host thread, free the device slots and staging buffers. Idempotent; safe on any exit path."""
         if self.closed:
             return
         self.closed = True
-        self.reset()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
-        self._slots = [None] * self.layers_in_flight
-        self._free_events = [None] * self.layers_in_flight
+        try:
+            self.reset()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True, cancel_futures=True)
+                self._executor = None
+            if self._cuda and self._copy_stream is not None:
+                self._copy_stream.synchronize()  # in-flight copies still read the staging buffers
+            self._slots = []
+            self._staging.clear()
+            self._staging_free.clear()
+            self._slot_free = [None] * self.layers_in_flight

@@ -70,14 +70,18 @@ def test_partial_budget_selections_identical_alone_and_in_padded_batch():
     for key, ids, attn in (("alone", short, None), ("batch", batch, mask)):
         cache = DualDecoderCache(model.config, budget=12, n_sink=4, window=8, retrieval_threads=1, early_layers=0)
         recorded = []
-        original = cache.layers[1].decode_kv
+        original = cache.layers[1].decode_segments
 
-        def spy(query, scaling, original=original, recorded=recorded, cache=cache):
-            out = original(query, scaling)
-            recorded.append(out[2][0][out[3][0]].clone())  # row 0 positions of valid entries
-            return out
+        def spy(query, scaling, original=original, recorded=recorded):
+            segments = original(query, scaling)
+            shape = (query.shape[0], segments[0].keys.shape[1])
+            positions = torch.cat([s.positions.expand(*shape, s.keys.shape[2]) for s in segments], 2)
+            valid = torch.cat([s.valid.expand(*shape, s.keys.shape[2]) for s in segments], 2)
+            # row 0 (the short prompt) attended positions, per KV head, in ascending order
+            recorded.append(torch.stack([positions[0, h][valid[0, h]].sort().values for h in range(shape[1])]))
+            return segments
 
-        cache.layers[1].decode_kv = spy
+        cache.layers[1].decode_segments = spy
         model.generate(ids, attention_mask=attn, max_new_tokens=10, do_sample=False, cache=cache)
         selections[key] = recorded
     assert len(selections["alone"]) == len(selections["batch"]) > 0

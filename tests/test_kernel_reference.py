@@ -1,32 +1,66 @@
-"""The torch sparse decode attention reference against dense attention written out by hand."""
+"""The torch sparse decode attention reference against attention written out by hand, per query head."""
 
 import pytest
 import torch
 
-from dual_cache.kernels import sparse_decode_attention_reference
+from dual_cache.kernels import KVSegment, sparse_decode_attention_reference
+
+
+def _segments(gen, batch, kv_heads, dim, lengths, max_pos):
+    segments = []
+    for length in lengths:
+        segments.append(KVSegment(
+            torch.randn(batch, kv_heads, length, dim, generator=gen),
+            torch.randn(batch, kv_heads, length, dim, generator=gen),
+            torch.randint(0, max_pos, (batch, kv_heads, length), generator=gen),
+            torch.rand(batch, kv_heads, length, generator=gen) > 0.3,
+        ))
+    return segments
 
 
 @pytest.mark.parametrize("seed, q_heads, kv_heads, q_len", [(1, 8, 2, 2), (2, 4, 4, 1), (3, 6, 1, 2)])
 def test_matches_explicit_softmax(seed, q_heads, kv_heads, q_len):
     gen = torch.Generator().manual_seed(seed)
-    batch, slots, dim = 2, 13, 8
+    batch, dim, max_pos = 2, 8, 40
     query = torch.randn(batch, q_heads, q_len, dim, generator=gen)
-    keys = torch.randn(batch, kv_heads, slots, dim, generator=gen)
-    values = torch.randn(batch, kv_heads, slots, dim, generator=gen)
-    allowed = torch.rand(batch, kv_heads, q_len, slots, generator=gen) > 0.3
-    allowed[..., 0] = True
-    out = sparse_decode_attention_reference(query, keys, values, allowed, scaling=0.3)
+    segments = _segments(gen, batch, kv_heads, dim, [3, 7, 5], max_pos)
+    qpos = torch.tensor([[max_pos - q_len + i for i in range(q_len)], [max_pos // 2 + i for i in range(q_len)]])
+    out = sparse_decode_attention_reference(query, segments, qpos, scaling=0.3)
+    keys = torch.cat([s.keys for s in segments], 2)
+    values = torch.cat([s.values for s in segments], 2)
+    positions = torch.cat([s.positions for s in segments], 2)
+    valid = torch.cat([s.valid for s in segments], 2)
     groups = q_heads // kv_heads
-    for h in range(q_heads):
-        logits = query[:, h] @ keys[:, h // groups].transpose(-1, -2) * 0.3
-        logits = logits.masked_fill(~allowed[:, h // groups], float("-inf"))
-        expected = torch.softmax(logits, -1) @ values[:, h // groups]
-        torch.testing.assert_close(out[:, h], expected, atol=1e-5, rtol=1e-5)
+    for b in range(batch):
+        for h in range(q_heads):
+            kv = h // groups
+            for i in range(q_len):
+                ok = valid[b, kv] & (positions[b, kv] <= qpos[b, i])
+                logits = (keys[b, kv] @ query[b, h, i]) * 0.3
+                probs = torch.softmax(logits.masked_fill(~ok, float("-inf")), -1).nan_to_num(0.0)
+                torch.testing.assert_close(out[b, h, i], probs @ values[b, kv], atol=1e-5, rtol=1e-5)
+
+
+def test_broadcast_positions_and_valid():
+    gen = torch.Generator().manual_seed(7)
+    batch, kv_heads, dim, length = 3, 2, 4, 6
+    keys = torch.randn(batch, kv_heads, length, dim, generator=gen)
+    values = torch.randn(batch, kv_heads, length, dim, generator=gen)
+    positions = torch.arange(length)
+    valid = torch.rand(batch, 1, length, generator=gen) > 0.2
+    query = torch.randn(batch, 4, 2, dim, generator=gen)
+    qpos = torch.tensor([length - 2, length - 1])
+    full = KVSegment(keys, values, positions.expand(batch, kv_heads, length), valid.expand(batch, kv_heads, length))
+    short = KVSegment(keys, values, positions[None, None], valid)
+    torch.testing.assert_close(
+        sparse_decode_attention_reference(query, [short], qpos, 0.5),
+        sparse_decode_attention_reference(query, [full], qpos, 0.5),
+    )
 
 
 def test_bad_shapes_raise():
-    with pytest.raises(ValueError, match="Shapes do not match"):
-        sparse_decode_attention_reference(
-            torch.randn(1, 3, 1, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4),
-            torch.ones(1, 2, 1, 5, dtype=torch.bool), 1.0,
-        )
+    seg = KVSegment(torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4), torch.arange(5), torch.ones(5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        sparse_decode_attention_reference(torch.randn(1, 3, 1, 4), [seg], torch.tensor([4]), 1.0)
+    with pytest.raises(ValueError, match="query_positions"):
+        sparse_decode_attention_reference(torch.randn(1, 4, 1, 4), [seg], torch.tensor([[1, 2, 3]]), 1.0)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dual_cache import retrieval
-from dual_cache.host_store import HostKVStore
+from dual_cache.host_store import HostKVStore, live_host_bytes
 
 
 def _inputs(seed, batch=2, q_heads=6, kv_heads=2, n=97, dim=16):
@@ -67,20 +67,75 @@ def test_block_selection_takes_whole_blocks_of_highest_mass(seed):
             assert not valid[b, h][indices[b, h] >= 100].any()
 
 
-def test_host_store_appends_gathers_crops_and_grows():
+def test_host_store_appends_gathers_crops_and_grows_in_chunks():
     gen = torch.Generator().manual_seed(8)
-    store = HostKVStore(2, 3, 4, torch.float32, capacity=5)
-    chunks = [torch.randn(2, 3, n, 4, generator=gen) for n in (3, 4, 1)]
-    for chunk in chunks:
-        store.append(chunk, -chunk)
-    full = torch.cat(chunks, dim=2)
-    assert store.length == 8 and store.capacity >= 8
-    torch.testing.assert_close(store.keys[:, :, :8], full)
-    index = torch.randint(0, 8, (2, 3, 5), generator=gen)
+    before = live_host_bytes()
+    store = HostKVStore(2, 3, 4, torch.float32, chunk_tokens=3)
+    pieces = [torch.randn(2, 3, n, 4, generator=gen) for n in (5, 1, 4)]
+    first_chunk = None
+    for piece in pieces:
+        store.append(piece, -piece)
+        first_chunk = first_chunk if first_chunk is not None else store.key_chunks(3)[0].data_ptr()
+    full = torch.cat(pieces, dim=2)
+    assert store.length == 10 and store.capacity == 12
+    assert store.key_chunks(3)[0].data_ptr() == first_chunk  # growing never moved stored tokens
+    torch.testing.assert_close(torch.cat(store.key_chunks(10), dim=2), full)
+    keys, values = store.read(2, 9)
+    torch.testing.assert_close(keys, full[:, :, 2:9])
+    torch.testing.assert_close(values, -full[:, :, 2:9])
+    index = torch.randint(0, 10, (2, 3, 5), generator=gen)
     keys, values = store.gather(index)
     torch.testing.assert_close(keys, torch.gather(full, 2, index[..., None].expand(2, 3, 5, 4)))
     torch.testing.assert_close(values, -keys)
+    assert live_host_bytes() - before == store.nbytes == 4 * 2 * (2 * 3 * 3 * 4) * 4  # chunks × K,V × elements × fp32 bytes
     store.crop(2)
-    assert store.length == 6
+    assert store.length == 8
     with pytest.raises(ValueError, match="Cannot crop"):
-        store.crop(7)
+        store.crop(9)
+    store.free()
+    assert live_host_bytes() == before and store.nbytes == 0
+    store.free()  # idempotent
+
+
+def test_host_store_refuses_allocation_through_on_alloc():
+    def refuse(nbytes):
+        raise MemoryError(f"no room for {nbytes}")
+
+    before = live_host_bytes()
+    store = HostKVStore(1, 1, 4, torch.float32, chunk_tokens=4, on_alloc=refuse)
+    with pytest.raises(MemoryError, match="no room for 128"):
+        store.append(torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 4))
+    assert live_host_bytes() == before and store.length == 0
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_chunked_keys_give_the_same_mass(seed):
+    query, keys, candidates = _inputs(seed)
+    whole = retrieval.group_attention_mass(query, keys, candidates, scaling=0.25)
+    chunked = retrieval.group_attention_mass(query, list(keys.split(40, dim=2)), candidates, scaling=0.25)
+    torch.testing.assert_close(chunked, whole)
+
+
+@pytest.mark.parametrize("seed", [6, 7])
+def test_quest_pages_match_brute_force_bound(seed):
+    query, keys, candidates = _inputs(seed, n=50)
+    page, budget = 8, 24
+    page_min, page_max = retrieval.page_bounds(keys, page)
+    indices, valid = retrieval.select_pages(query, page_min, page_max, candidates, budget, page)
+    groups = query.shape[1] // keys.shape[1]
+    for b in range(query.shape[0]):
+        for h in range(keys.shape[1]):
+            scores = []
+            for p in range(-(-50 // page)):
+                block = keys[b, h, p * page : (p + 1) * page]
+                if not candidates[b, p * page : (p + 1) * page].any():
+                    continue
+                bound = sum(
+                    torch.maximum(query[b, g] * block.amin(0), query[b, g] * block.amax(0)).sum()
+                    for g in range(h * groups, (h + 1) * groups)
+                )
+                scores.append((float(bound), p))
+            best = sorted(p for _, p in sorted(scores, reverse=True)[: budget // page])
+            expected = {p * page + i for p in best for i in range(page) if p * page + i < 50}
+            expected = {i for i in expected if candidates[b, i]}
+            assert set(indices[b, h][valid[b, h]].tolist()) == expected

@@ -1,0 +1,168 @@
+"""Tables and plots of a benchmark run (`bench.BenchResult`): markdown with ratios measured in the same run, and
+matplotlib figures (Agg backend, PNG): throughput vs batch per method, device bytes per request vs context."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable
+
+MIB = 1024 ** 2
+
+
+def _num(value, fmt: str = "{:.2f}") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "—"
+    return fmt.format(value)
+
+
+def _mib(value) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "—"
+    return f"{value / MIB:.3g}"
+
+
+def _ratio(a, b) -> float:
+    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)) or b == 0:
+        return float("nan")
+    return a / b
+
+
+def _baseline(cells: list[dict], method: str, context: int, batch: int) -> dict | None:
+    for row in cells:
+        if (row["method"], row["context"], row["batch"]) == (method, context, batch) and row["error"] is None:
+            return row
+    return None
+
+
+def label(row: dict) -> str:
+    """`method` for baselines, `method k=budget` for budgeted methods."""
+    return row["method"] if row.get("budget") is None else f"{row['method']} k={row['budget']}"
+
+
+def cell_table(cells: list[dict]) -> str:
+    """Markdown table, one line per cell; `×dense` / `×offl` are this row's decode tokens/s over the dense /
+    offloaded row at the same context and batch, `dev/dense` its device bytes per request over dense's."""
+    head = ("| method | context | batch | prefill s | decode tok/s | ms/step | device MiB/req | CUDA peak MiB/req all / decode | "
+            "host MiB/req | copied MiB/step | overlap | hit rate | ×dense tok/s | ×offl tok/s | dev/dense bytes |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for row in cells:
+        if row["error"] is not None:
+            lines.append(f"| {label(row)} | {row['context']} | {row['batch']} | error: {row['error']} |" + " |" * 11)
+            continue
+        dense = _baseline(cells, "dense", row["context"], row["batch"])
+        offl = _baseline(cells, "offloaded", row["context"], row["batch"])
+        is_base = row["method"] in ("dense", "offloaded")
+        dense_bytes = dense["device_bytes_per_request"] if dense else row["dense_equivalent_bytes_per_request"]
+        lines.append(
+            f"| {label(row)} | {row['context']} | {row['batch']} | {_num(row['prefill_s'])} | "
+            f"{_num(row['decode_tokens_per_s'])} | {_num(row['ms_per_step'], '{:.1f}')} | "
+            f"{_mib(row['device_bytes_per_request'])} | {_mib(row['cuda_peak_bytes_per_request'])} / "
+            f"{_mib(row['cuda_decode_peak_bytes_per_request'])} | "
+            f"{_mib(row['host_bytes_per_request'])} | {_mib(row['bytes_copied_per_step'])} | "
+            f"{_num(row['overlap_ratio'])} | {_num(row['spec_hit_rate'], '{:.0%}')} | "
+            f"{'—' if is_base or not dense else _num(_ratio(row['decode_tokens_per_s'], dense['decode_tokens_per_s']))} | "
+            f"{'—' if is_base or not offl else _num(_ratio(row['decode_tokens_per_s'], offl['decode_tokens_per_s']))} | "
+            f"{_num(_ratio(row['device_bytes_per_request'], dense_bytes), '{:.2%}')} |"
+        )
+    return "\n".join(lines)
+
+
+def concurrency_table(rows: list[dict]) -> str:
+    """Markdown table of max concurrency; `×best baseline` is this method's tokens/s at its max batch over the best
+    of dense and offloaded at theirs (same context)."""
+    if not rows:
+        return ""
+    head = ("| method | context | max batch | limited by | tok/s at batch | measured at batch | device MiB/req | "
+            "×best baseline |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for row in rows:
+        bases = [r["decode_tokens_per_s"] for r in rows if r["context"] == row["context"]
+                 and r["method"] in ("dense", "offloaded") and r["decode_tokens_per_s"] is not None
+                 and math.isfinite(r["decode_tokens_per_s"])]
+        best = max(bases) if bases else float("nan")
+        is_base = row["method"] in ("dense", "offloaded")
+        name = row["method"] if row.get("budget") is None else f"{row['method']} k={row['budget']}"
+        lines.append(
+            f"| {name} | {row['context']} | {row['max_batch']}{'+' if row.get('capped') else ''} | {row.get('limited_by', row['source'])} | "
+            f"{_num(row['decode_tokens_per_s'])} | {row['measured_at_batch'] if row['measured_at_batch'] else '—'} | "
+            f"{_mib(row['device_bytes_per_request'])} | {'—' if is_base else _num(_ratio(row['decode_tokens_per_s'], best))} |"
+        )
+    return "\n".join(lines)
+
+
+def render_markdown(result) -> str:
+    """The run's markdown report: a header line, the per-cell table and (when measured) the concurrency table."""
+    meta = result.meta
+    parts = [
+        f"Model {meta.get('model')} on {meta.get('cuda_device', meta.get('device'))} ({meta.get('dtype')}, "
+        f"{meta.get('threads')} threads), {meta.get('grid', {}).get('new_tokens')} new tokens, "
+        f"{meta.get('grid', {}).get('warmup_steps')} warm-up steps"
+        + ("; sampling at temperature 1" if meta.get("grid", {}).get("do_sample") else "; greedy") + ".",
+        "",
+        cell_table(result.cells),
+    ]
+    for method, reason in (meta.get("skipped") or {}).items():
+        parts.append(f"\nSkipped {method}: {reason}.")
+    if result.max_concurrency:
+        gib = meta.get("device_budget_gib")
+        parts += ["", f"Max concurrency within {gib} GiB of device memory:", "",
+                  concurrency_table(result.max_concurrency)]
+    return "\n".join(parts) + "\n"
+
+
+def plot_all(result, out_dir: str, log: Callable[[str], None] = print) -> dict[str, str]:
+    """Write `throughput_vs_batch.png` and `device_bytes_vs_context.png`; `{name: path}` (empty without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        log(f"plots skipped: matplotlib is not importable ({error}); pip install matplotlib")
+        return {}
+    cells = [r for r in result.cells if r["error"] is None]
+    paths = {}
+    contexts = sorted({r["context"] for r in cells})
+    series = sorted({label(r) for r in cells})
+    if contexts:
+        fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4), squeeze=False)
+        for ax, context in zip(axes[0], contexts):
+            for name in series:
+                rows = sorted((r for r in cells if r["context"] == context and label(r) == name), key=lambda r: r["batch"])
+                if rows:
+                    ax.plot([r["batch"] for r in rows], [r["decode_tokens_per_s"] for r in rows], marker="o", label=name)
+            batches = sorted({r["batch"] for r in cells})
+            if len(batches) > 1:
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(batches, [str(b) for b in batches])
+            ax.set_title(f"context {context}")
+            ax.set_xlabel("batch (sequences)")
+            ax.set_ylabel("decode tokens/s (summed over batch)")
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize="small")
+        fig.tight_layout()
+        paths["throughput_plot"] = os.path.join(out_dir, "throughput_vs_batch.png")
+        fig.savefig(paths["throughput_plot"], dpi=120)
+        plt.close(fig)
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        smallest = min(r["batch"] for r in cells)
+        for name in series:
+            rows = sorted((r for r in cells if r["batch"] == smallest and label(r) == name), key=lambda r: r["context"])
+            if rows:
+                ax.plot([r["context"] for r in rows], [r["device_bytes_per_request"] / MIB for r in rows], marker="o",
+                        label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [str(c) for c in contexts])
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("device KV MiB per request")
+        ax.set_title(f"device bytes per request (batch {smallest})")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        paths["memory_plot"] = os.path.join(out_dir, "device_bytes_vs_context.png")
+        fig.savefig(paths["memory_plot"], dpi=120)
+        plt.close(fig)
+    return paths

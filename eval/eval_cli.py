@@ -1,0 +1,209 @@
+"""`dual-decoder eval ...`: run the quality evaluation, render its report, export prompts for / merge kvpress rows.
+
+    dual-decoder eval run --suites ruler fidelity --ruler-tasks niah_single_2 --lengths 4096 8192 \\
+        --fidelity-lengths 8192 --samples 4 --budgets 64 128 256 512 --out results/eval/results.jsonl
+    dual-decoder eval report --results results/eval/results.jsonl --out-dir results/eval
+    dual-decoder eval export-prompts ... --prompts-out prompts.jsonl   (then eval/kvpress_runner.py in its venv)
+    dual-decoder eval merge-kvpress --prompts prompts.jsonl --kvpress kvpress.jsonl --out results/eval/results.jsonl
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+EMBEDDED_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SUITES = ("ruler", "longbench", "fidelity")
+
+
+def add_parser(subparsers) -> None:
+    """Add the `eval` command (with `run`, `report`, `export-prompts`, `merge-kvpress`) to `dual-decoder`."""
+    from .methods import METHOD_NAMES
+
+    ev = subparsers.add_parser("eval", help="quality evaluation: RULER, LongBench, fidelity to dense")
+    sub = ev.add_subparsers(dest="eval_command", required=True)
+
+    def suite_options(p):
+        p.add_argument("--model", default=None, help="Hub id, folder or .gguf (default: the embedded SmolLM2-135M)")
+        p.add_argument("--model-name", default=None, help="name written in the rows (default: derived from --model)")
+        p.add_argument("--suites", nargs="+", default=["ruler"], choices=SUITES)
+        p.add_argument("--ruler-tasks", nargs="+", default=["niah_single_2"])
+        p.add_argument("--lengths", type=int, nargs="+", default=[4096], help="RULER target lengths (tokens)")
+        p.add_argument("--no-answer-prefix", action="store_true",
+                       help="RULER: let the model answer freely instead of continuing RULER's answer prefix")
+        p.add_argument("--ruler-template", default="ruler", choices=["ruler", "simple"],
+                       help="NIAH wording: RULER's, or 'simple' (eval/needle.py's, which small models answer)")
+        p.add_argument("--samples", type=int, default=4, help="samples per task and length (RULER, fidelity)")
+        p.add_argument("--longbench-tasks", nargs="+", default=["hotpotqa"])
+        p.add_argument("--data-dir", default=None, help="folder of LongBench's official <task>.jsonl (else the Hub)")
+        p.add_argument("--max-length", type=int, default=None,
+                       help="LongBench window in tokens (default: the model's max_position_embeddings)")
+        p.add_argument("--fidelity-lengths", type=int, nargs="+", default=[8192])
+        p.add_argument("--forced-tokens", type=int, default=64, help="fidelity: teacher-forced document tokens")
+        p.add_argument("--greedy-tokens", type=int, default=32, help="fidelity: greedy steps compared with dense")
+        p.add_argument("--limit", type=int, default=None, help="at most this many samples per task and length")
+        p.add_argument("--max-new-tokens", type=int, default=None, help="cap the tasks' answer lengths (tokens)")
+        p.add_argument("--seed", type=int, default=0)
+
+    run = sub.add_parser("run", help="evaluate every method on the same prompts; appends rows to --out (resumable)")
+    suite_options(run)
+    run.add_argument("--methods", nargs="+", default=["standard"],
+                     help=f"'standard' (all), or specs such as dense dual@128 oracle; names: {list(METHOD_NAMES)}")
+    run.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256, 512], help="dual budgets (standard)")
+    run.add_argument("--reference-budget", type=int, default=256, help="budget of dual-none / oracle / quest")
+    run.add_argument("--out", default="results/eval/results.jsonl")
+    run.add_argument("--no-resume", action="store_true", help="start the output file afresh")
+    run.add_argument("--report-dir", default=None, help="also write summary.md and plots here at the end")
+    run.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    run.set_defaults(func=cmd_run)
+
+    report = sub.add_parser("report", help="summary.md and plots from a results JSONL")
+    report.add_argument("--results", default="results/eval/results.jsonl")
+    report.add_argument("--out-dir", default="results/eval")
+    report.set_defaults(func=cmd_report)
+
+    export = sub.add_parser("export-prompts", help="write the suites' prompts for eval/kvpress_runner.py")
+    suite_options(export)
+    export.add_argument("--prompts-out", required=True)
+    export.set_defaults(func=cmd_export)
+
+    merge = sub.add_parser("merge-kvpress", help="score kvpress_runner.py predictions and append them to --out")
+    merge.add_argument("--prompts", required=True, help="the export-prompts file given to the runner")
+    merge.add_argument("--kvpress", required=True, help="the runner's predictions JSONL")
+    merge.add_argument("--out", default="results/eval/results.jsonl")
+    merge.set_defaults(func=cmd_merge)
+
+
+def _check_args(args) -> None:
+    """Validate numbers and names before any model is loaded (raises ValueError)."""
+    from . import ruler
+    from .metrics.longbench_score import base_task
+
+    for name in ("samples", "forced_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1.")
+    if args.greedy_tokens < 0:
+        raise ValueError("--greedy-tokens must be >= 0.")
+    for name in ("limit", "max_new_tokens", "max_length"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1.")
+    if "ruler" in args.suites:
+        for task in args.ruler_tasks:
+            ruler.task_family(task)
+        for length in args.lengths:
+            if length < 256:
+                raise ValueError(f"RULER length {length} is too short (>= 256 tokens).")
+    if "longbench" in args.suites:
+        for task in args.longbench_tasks:
+            base_task(task)
+        if args.data_dir is not None and not os.path.isdir(args.data_dir):
+            raise ValueError(f"--data-dir {args.data_dir} is not a folder.")
+    if "fidelity" in args.suites:
+        for length in args.fidelity_lengths:
+            if length < args.forced_tokens + args.greedy_tokens + 64:
+                raise ValueError(f"fidelity length {length} is too short for the forced + greedy tokens.")
+
+
+def _methods(args):
+    from .methods import parse_method, standard_methods
+
+    if args.methods == ["standard"]:
+        return standard_methods(args.budgets, args.reference_budget)
+    return [parse_method(spec, args.reference_budget) for spec in args.methods]
+
+
+def _load(args):
+    import torch
+
+    from ..models import load_model
+
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model)
+    name = args.model_name or (EMBEDDED_MODEL_NAME if args.model is None else args.model)
+    return model, tokenizer, name
+
+
+def _items(args, tokenizer, model):
+    from . import harness
+
+    samples = args.samples if args.limit is None else min(args.samples, args.limit)
+    generation, fidelity = [], []
+    if "ruler" in args.suites:
+        generation += harness.ruler_items(tokenizer, args.ruler_tasks, args.lengths, samples, args.seed,
+                                          args.max_new_tokens, answer_prefix=not args.no_answer_prefix,
+                                          template=args.ruler_template)
+    if "longbench" in args.suites:
+        window = args.max_length or getattr(model.config, "max_position_embeddings", None) or 8192
+        generation += harness.longbench_items(tokenizer, args.longbench_tasks, window, args.data_dir, args.limit,
+                                              args.max_new_tokens)
+    if "fidelity" in args.suites:
+        fidelity = harness.fidelity_items(tokenizer, args.fidelity_lengths, samples, args.forced_tokens,
+                                          args.greedy_tokens, args.seed)
+    return generation, fidelity
+
+
+def cmd_run(args) -> int:
+    from . import harness
+
+    try:
+        _check_args(args)
+        methods = _methods(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    start = time.time()
+    model, tokenizer, name = _load(args)
+    generation, fidelity = _items(args, tokenizer, model)
+    print(f"{len(generation)} generation prompts, {len(fidelity)} fidelity samples, methods "
+          f"{[m.label for m in methods]}; rows -> {args.out}", flush=True)
+    rows = harness.run(model, tokenizer, methods, args.out, name, generation, fidelity, resume=not args.no_resume)
+    print(f"wrote {len(rows)} rows in {time.time() - start:.0f} s", flush=True)
+    if args.report_dir:
+        from .report import write_report
+
+        for path in write_report(harness.read_rows(args.out), args.report_dir):
+            print(f"wrote {path}")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from .harness import read_rows
+    from .report import write_report
+
+    rows = read_rows(args.results)
+    if not rows:
+        print(f"error: no rows in {args.results}", file=sys.stderr)
+        return 2
+    for path in write_report(rows, args.out_dir):
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .kvpress_merge import export_prompts
+
+    try:
+        _check_args(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    model, tokenizer, name = _load(args)
+    generation, _ = _items(args, tokenizer, model)
+    export_prompts(generation, args.prompts_out, name)
+    print(f"wrote {len(generation)} prompts to {args.prompts_out}")
+    return 0
+
+
+def cmd_merge(args) -> int:
+    from .kvpress_merge import merge_kvpress
+
+    try:
+        n = merge_kvpress(args.prompts, args.kvpress, args.out)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"appended {n} kvpress rows to {args.out}")
+    return 0

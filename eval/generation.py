@@ -1,0 +1,74 @@
+"""One greedy `generate()` call for one method, returning the text and the cache's device bytes."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .methods import Method
+
+
+@dataclass
+class Generation:
+    """Result of one call: `text` (decoded new tokens, special tokens dropped, stripped), `new_ids`, the cache's
+    `device_bytes` (dual: `cache.stats()["device_bytes"]`; dense: the `DynamicCache`'s K/V tensor bytes at the end),
+    `output` (the `generate` output object) and wall `seconds`."""
+
+    text: str
+    new_ids: list[int]
+    device_bytes: int | None
+    output: object
+    seconds: float
+
+
+def output_cache(output):
+    """The cache object held by a `generate(return_dict_in_generate=True)` output (either field name)."""
+    return getattr(output, "cache", None) or getattr(output, "past_key_values", None)
+
+
+def cache_device_bytes(cache) -> int | None:
+    """Device bytes of a finished cache: `stats()["device_bytes"]` when it has stats (dual), else the sum of its
+    layers' key/value tensor bytes (`DynamicCache`); None when unknown."""
+    if cache is None:
+        return None
+    if hasattr(cache, "stats"):
+        return int(cache.stats()["device_bytes"])
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name, None)
+            if isinstance(tensor, torch.Tensor):
+                total += tensor.nbytes
+    return total
+
+
+def generate(model, tokenizer, input_ids: list[int], method: Method, max_new_tokens: int, **kwargs) -> Generation:
+    """Greedy generation of at most `max_new_tokens` after the prompt `input_ids` (one sequence) with `method`.
+
+    Extra `kwargs` go to `model.generate` (e.g. `logits_processor`, `output_logits`, `min_new_tokens`).
+
+    Raises:
+        ValueError: empty prompt or non-positive `max_new_tokens`; RuntimeError: the method cannot run here
+            (`method.skip_reason`).
+    """
+    if not input_ids:
+        raise ValueError("empty prompt.")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+    if method.skip_reason:
+        raise RuntimeError(f"{method.label} cannot run: {method.skip_reason}")
+    ids = torch.tensor([input_ids], device=model.device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    start = time.perf_counter()
+    with torch.inference_mode():
+        output = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+            temperature=None, top_p=None, top_k=None, return_dict_in_generate=True, pad_token_id=pad,
+            **method.generate_kwargs(), **kwargs,
+        )
+    seconds = time.perf_counter() - start
+    new_ids = output.sequences[0, ids.shape[1]:].tolist()
+    text = tokenizer.decode(new_ids, skip_special_tokens=True).strip()
+    return Generation(text, new_ids, cache_device_bytes(output_cache(output)), output, seconds)

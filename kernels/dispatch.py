@@ -1,0 +1,89 @@
+"""Backend selection for sparse decode attention: the Triton kernel on CUDA, the torch reference elsewhere.
+
+`sparse_decode_attention(query, segments, query_positions, scaling, backend="auto")` takes the arguments of
+`sparse_decode_attention_reference` (see `dual_cache.kernels.reference` for shapes and the masking rule):
+
+- `"auto"`: the Triton kernel when the query is on a CUDA device, `triton` imports and the kernel supports the
+  input (head_dim in [16, 256], fp16/bf16/fp32, one dtype, one device: the kernel's own validation decides, by
+  raising `UnsupportedShapeError`, so the hot path validates once); the torch reference otherwise (CPU
+  tensors, head_dim 8, no triton, ...). `resolve_backend` says which one a call would take.
+- `"torch"`: always the reference.
+- `"triton"`: always the kernel; raises `RuntimeError` when triton cannot be imported and
+  `UnsupportedShapeError` (a `ValueError`) for inputs the kernel refuses. CPU tensors run through Triton's
+  interpreter (slow; for tests).
+
+`triton_decode` is imported lazily, on the first call that may use it, so importing `dual_cache` never imports
+triton.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import torch
+
+from .reference import KVSegment, sparse_decode_attention_reference
+
+BACKENDS = ("auto", "torch", "triton")
+
+__all__ = ["BACKENDS", "resolve_backend", "sparse_decode_attention", "triton_import_error"]
+
+
+@functools.lru_cache(maxsize=1)
+def triton_import_error() -> str | None:
+    """None when the Triton kernel module imports, else why not (e.g. "No module named 'triton'")."""
+    try:
+        from . import triton_decode  # noqa: F401
+    except Exception as error:  # ImportError, or a broken triton install failing at import
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def resolve_backend(query: torch.Tensor, segments: Sequence[KVSegment], backend: str = "auto") -> str:
+    """The backend ("torch" or "triton") that `sparse_decode_attention` would use for these inputs."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
+    if backend != "auto":
+        return backend
+    if query.device.type != "cuda" or triton_import_error() is not None:
+        return "torch"
+    from .triton_decode import unsupported_reason
+
+    return "torch" if unsupported_reason(query, segments) is not None else "triton"
+
+
+def sparse_decode_attention(
+    query: torch.Tensor,
+    segments: Sequence[KVSegment],
+    query_positions: torch.Tensor,
+    scaling: float,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Sparse decode attention through the chosen backend; same contract as the reference.
+
+    Raises:
+        ValueError: unknown backend, or mismatched shapes (`check_segments`).
+        RuntimeError: `backend="triton"` without an importable triton.
+        UnsupportedShapeError: `backend="triton"` with inputs the kernel does not support.
+    """
+    if backend == "auto":
+        if query.device.type != "cuda" or triton_import_error() is not None:
+            return sparse_decode_attention_reference(query, segments, query_positions, scaling)
+        from .triton_decode import UnsupportedShapeError, sparse_decode_attention_triton
+
+        try:  # one validation pass on the hot path: the kernel's own checks decide support
+            return sparse_decode_attention_triton(query, segments, query_positions, scaling)
+        except UnsupportedShapeError:
+            return sparse_decode_attention_reference(query, segments, query_positions, scaling)
+    if resolve_backend(query, segments, backend) == "torch":
+        return sparse_decode_attention_reference(query, segments, query_positions, scaling)
+    error = triton_import_error()
+    if error is not None:
+        raise RuntimeError(
+            f"attention backend 'triton' is unavailable ({error}); install triton (pip install triton) or use "
+            "backend 'auto'/'torch'."
+        )
+    from .triton_decode import sparse_decode_attention_triton
+
+    return sparse_decode_attention_triton(query, segments, query_positions, scaling)

@@ -1,0 +1,229 @@
+"""The retrieval/transfer pipeline (issue 3): ordering under random delays, memory independence from context,
+lifecycle on every exit path, the host capacity check, telemetry."""
+
+import gc
+import json
+import random
+import threading
+import time
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from dual_cache import DualDecoderCache, HostMemoryError, retrieval
+from dual_cache.host_store import live_host_bytes
+
+
+def six_layer_llama(seed: int):
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16384, eos_token_id=None, pad_token_id=0,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def _prompt(seed: int, length: int, batch: int = 1) -> torch.Tensor:
+    return torch.randint(3, 96, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _record_selections(cache: DualDecoderCache) -> list:
+    """Wrap the cache's schedule (created lazily) so every acquired selection is recorded."""
+    recorded = []
+    original_ensure = cache._ensure_schedule
+
+    def ensure(device):
+        original_ensure(device)
+        schedule = cache.schedule
+        if getattr(schedule, "_spied", False):
+            return
+        acquire = schedule.acquire
+
+        def spy(layer_idx):
+            view = acquire(layer_idx)
+            recorded.append((layer_idx, view.indices.clone(), view.valid.clone(), view.keys.clone()))
+            return view
+
+        schedule.acquire = spy
+        schedule._spied = True
+
+    cache._ensure_schedule = ensure
+    return recorded
+
+
+@pytest.fixture
+def delayed_retrieval(monkeypatch):
+    """Random 0–4 ms delays before every selection on the retriever thread, to shake out ordering bugs."""
+    rng = random.Random(1234)
+    select = retrieval.select
+
+    def slow_select(*args, **kwargs):
+        time.sleep(rng.random() * 0.004)
+        return select(*args, **kwargs)
+
+    monkeypatch.setattr(retrieval, "select", slow_select)
+
+
+@pytest.mark.parametrize("layers_in_flight, lookahead", [(1, 0), (2, 1), (3, 2), (6, 5)])
+def test_pipeline_equals_synchronous_reference(delayed_retrieval, layers_in_flight, lookahead):
+    model = six_layer_llama(seed=40)
+    ids = _prompt(41, 160, batch=2)
+    base = {"budget": 12, "n_sink": 4, "window": 8, "early_layers": 1, "early_layer_budget": 20,
+            "layer_budgets": {4: 0}}
+    runs = {}
+    for name, options in (
+        ("sync", {"retrieval_threads": 0, "layers_in_flight": 1, "lookahead": 0}),
+        ("pipelined", {"retrieval_threads": 1, "layers_in_flight": layers_in_flight, "lookahead": lookahead}),
+    ):
+        cache = DualDecoderCache(model.config, **base, **options)
+        recorded = _record_selections(cache)
+        tokens = model.generate(ids, max_new_tokens=12, do_sample=False, cache=cache)
+        runs[name] = (tokens, recorded, cache.stats())
+    (sync_tokens, sync_sel, _), (pipe_tokens, pipe_sel, pipe_stats) = runs["sync"], runs["pipelined"]
+    assert torch.equal(sync_tokens, pipe_tokens)
+    assert len(sync_sel) == len(pipe_sel) == 11 * 5  # 11 decode steps × 5 retrieving layers (layer 4 has none)
+    for (layer_a, idx_a, ok_a, keys_a), (layer_b, idx_b, ok_b, keys_b) in zip(sync_sel, pipe_sel):
+        assert layer_a == layer_b
+        assert torch.equal(idx_a[ok_a], idx_b[ok_b]) and torch.equal(keys_a[ok_a], keys_b[ok_b])
+    assert pipe_stats["steps"] == 11
+
+
+def test_device_bytes_do_not_depend_on_context_length():
+    model = six_layer_llama(seed=42)
+    options = {"budget": 16, "n_sink": 4, "window": 8, "early_layers": 0, "layers_in_flight": 2, "lookahead": 1}
+    device = {}
+    for length in (1024, 8192):
+        cache = DualDecoderCache(model.config, **options)
+        model.generate(_prompt(43, length), max_new_tokens=3, do_sample=False, cache=cache)
+        device[length] = cache.stats()["device_bytes"]
+    # hand computation, fp32: per layer sink (4) + ring (8 + 2) K/V entries; pool: 2 slots × 16 entries × (K, V,
+    # int64 index, bool validity); batch 1, 2 KV heads, head_dim 16
+    kv_entry = 2 * 2 * 16 * 4  # K and V of one token over both KV heads
+    expected = 6 * (4 + 10) * kv_entry + 2 * (16 * kv_entry + 2 * 16 * (8 + 1))
+    assert device[1024] == device[8192] == expected
+
+
+class _Boom(BaseStreamer):
+    def __init__(self, after: int, error: BaseException):
+        self.count, self.after, self.error = 0, after, error
+
+    def put(self, value):
+        self.count += 1
+        if self.count > self.after:
+            raise self.error
+
+    def end(self):
+        pass
+
+
+class _StopAt(StoppingCriteria):
+    def __init__(self, length):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+
+def test_fifty_generate_calls_leave_threads_and_host_bytes_at_baseline():
+    model = six_layer_llama(seed=44)
+    options = {"budget": 8, "window": 8, "early_layers": 0, "retrieval_threads": 1, "host_chunk_tokens": 64}
+    gc.collect()
+    threads, host = threading.active_count(), live_host_bytes()
+    for call in range(50):
+        ids = _prompt(100 + call, 40 + call % 7)
+        kind = call % 5
+        if kind == 0:
+            with pytest.raises(RuntimeError, match="streamer failed"):
+                model.generate(ids, max_new_tokens=8, streamer=_Boom(3, RuntimeError("streamer failed")),
+                               cache_implementation="dual", cache_config=options)
+        elif kind == 1:
+            with pytest.raises(KeyboardInterrupt):
+                model.generate(ids, max_new_tokens=8, streamer=_Boom(2, KeyboardInterrupt()),
+                               cache_implementation="dual", cache_config=options)
+        elif kind == 2:
+            out = model.generate(ids, max_new_tokens=8, stopping_criteria=StoppingCriteriaList([_StopAt(ids.shape[1] + 2)]),
+                                 cache_implementation="dual", cache_config=options)
+            assert out.shape[1] == ids.shape[1] + 2
+        else:
+            model.generate(ids, max_new_tokens=4, do_sample=kind == 4, cache_implementation="dual",
+                           cache_config=options)
+        assert live_host_bytes() == host  # released on every exit path, before garbage collection
+    gc.collect()
+    assert threading.active_count() == threads
+    assert live_host_bytes() == host
+
+
+def test_host_capacity_check_raises_before_allocating():
+    model = six_layer_llama(seed=45)
+    ids = _prompt(46, 300, batch=2)
+    threads, host = threading.active_count(), live_host_bytes()
+    # needed: 6 layers × ceil(308 / 128) chunks × 2 (K, V) × 2 seqs × 2 heads × 128 tokens × 16 dims × 4 bytes
+    needed = 6 * 3 * 2 * 2 * 2 * 128 * 16 * 4
+    with pytest.raises(HostMemoryError, match="max_host_bytes") as error:
+        model.generate(ids, max_new_tokens=8, cache_implementation="dual",
+                       cache_config={"host_chunk_tokens": 128, "max_host_bytes": needed - 1})
+    assert f"{needed / 2**30:.2f} GiB" in str(error.value)
+    assert live_host_bytes() == host and threading.active_count() == threads
+    out = model.generate(ids, max_new_tokens=8, cache_implementation="dual", return_dict_in_generate=True,
+                         cache_config={"host_chunk_tokens": 128, "max_host_bytes": needed})
+    assert out.cache.stats()["host_bytes"] == needed
+
+
+def test_chunked_host_store_and_timeline(tmp_path):
+    model = six_layer_llama(seed=47)
+    ids = _prompt(48, 150)
+    common = {"budget": 16, "window": 8, "early_layers": 0}
+    whole = model.generate(ids, max_new_tokens=10, do_sample=False, cache_implementation="dual",
+                           cache_config=common)
+    cache = DualDecoderCache(model.config, **common, host_chunk_tokens=32, record_timeline=True,
+                             retrieval_threads=1, layers_in_flight=3, lookahead=2)
+    chunked = model.generate(ids, max_new_tokens=10, do_sample=False, cache=cache)
+    assert torch.equal(whole, chunked)
+    stats = cache.stats()
+    assert 0.0 <= stats["overlap_ratio"] <= 1.0 and stats["steps"] == 9
+    timeline = cache.timeline()
+    assert len(timeline) == 9 * 6
+    for record in timeline:
+        assert record["retrieval_start"] <= record["retrieval_end"]
+        assert record["copy_start"] <= record["copy_end"] <= record["attention_start"] <= record["attention_end"]
+        assert record["bytes"] > 0 and record["slot"] in (0, 1, 2)
+    # copies issued ahead (lookahead 2) for a step that never ran are counted in bytes_copied only
+    unused = stats["bytes_copied"] - sum(r["bytes"] for r in timeline)
+    assert 0 <= unused <= 2 * max(r["bytes"] for r in timeline)
+    from dual_cache.eval.pipeline_timeline import summarize
+
+    layers = summarize(timeline, skip_steps=1)
+    assert [row["layer"] for row in layers] == list(range(6))
+    assert all(row["retrieval_ms"] >= 0 and row["bytes"] > 0 for row in layers)
+    cache.dump_timeline(tmp_path / "timeline.json")
+    dumped = json.loads((tmp_path / "timeline.json").read_text())
+    assert dumped["stats"]["steps"] == 9 and len(dumped["timeline"]) == 9 * 6
+
+
+def test_quest_baseline_full_budget_matches_dense_and_counts_page_metadata():
+    model = six_layer_llama(seed=49)
+    ids = _prompt(50, 120)
+    dense = model.generate(ids, max_new_tokens=10, do_sample=False)
+    full = {"selector": "quest", "block_size": 16, "budget": 128, "window": 8, "speculator": "none"}
+    out = model.generate(ids, max_new_tokens=10, do_sample=False, cache_implementation="dual",
+                         cache_config=full, return_dict_in_generate=True)
+    assert torch.equal(dense, out.sequences)
+    partial = {**full, "budget": 32, "early_layers": 0}
+    out = model.generate(ids, max_new_tokens=10, do_sample=False, cache_implementation="dual",
+                         cache_config=partial, return_dict_in_generate=True)
+    streaming = model.generate(ids, max_new_tokens=10, do_sample=False, cache_implementation="dual",
+                               cache_config={**partial, "budget": 0, "selector": "exact"},
+                               return_dict_in_generate=True)
+    pages = -(-(120 + 9) // 16)
+    metadata = 6 * 2 * 2 * pages * 16 * 4  # layers × (min, max) × KV heads × pages × head_dim × fp32
+    pool = 2 * (32 * 2 * 2 * 16 * 4 + 2 * 32 * 9)
+    assert out.cache.stats()["device_bytes"] == streaming.cache.stats()["device_bytes"] + metadata + pool
+
+
+def test_gpu_check_script_correctness_part_runs_on_cpu():
+    from dual_cache.eval.gpu_check import check_correctness
+
+    results = check_correctness(torch.device("cpu"), tiny=True)
+    assert len(results) == 3 and all(r["passed"] for r in results), results
