@@ -31,6 +31,14 @@ class HostMemoryError(MemoryError):
     """The host store of a request would not fit in the host memory the cache may use."""
 
 
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if abs(nbytes) < 1024:
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.2f} GiB"
+
+
 def available_host_bytes() -> int:
     """Host memory available to new allocations now (Linux `MemAvailable`; else free physical pages), bytes."""
     try:
@@ -421,6 +429,10 @@ class DualDecoderCache(Cache):
         if self._final_stats is not None:
             raise RuntimeError("This DualDecoderCache was closed; create a new one for the next generate() call.")
         if self.schedule is None:
+            if self.max_cache_len:  # no layer can select or hold more than every token of the request
+                for layer in self.dual_layers:
+                    layer.budget = min(layer.budget, self.max_cache_len)
+                    layer.ring_size = min(self.dual_config.window, self.max_cache_len) + 2
             retrieving = [layer for layer in self.dual_layers if layer.budget > 0]
             self.schedule = TransferSchedule(
                 device,
@@ -430,6 +442,19 @@ class DualDecoderCache(Cache):
                 lookahead=self.dual_config.lookahead,
                 threads=self.dual_config.threads_for(torch.device(device)),
                 record_timeline=self.dual_config.record_timeline,
+            )
+
+    def check_model(self, config: Any) -> None:
+        """Raise `ValueError` unless this cache was built for a model with `config`'s layers and KV head shape."""
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        mine = (len(self.layers), self.kv_heads, self.head_dim)
+        theirs = (text.num_hidden_layers, kv_heads, head_dim)
+        if mine != theirs:
+            raise ValueError(
+                f"This DualDecoderCache was built for (layers, KV heads, head_dim) = {mine}, but the model has "
+                f"{theirs}. Build it from the model's own config: DualDecoderCache(model.config, ...)."
             )
 
     def host_bytes_needed(self, batch_size: int, tokens: int, dtype: torch.dtype, kv_heads: int | None = None,
@@ -461,9 +486,9 @@ class DualDecoderCache(Cache):
             self.host_limit = configured if configured is not None else int(0.9 * available_host_bytes())
         if self.host_claimed + needed > self.host_limit:
             raise HostMemoryError(
-                f"The dual cache needs {needed / 2**30:.2f} GiB of host memory for {batch_size} sequence(s) of "
+                f"The dual cache needs {_size(needed)} ({needed:,} bytes) of host memory for {batch_size} sequence(s) of "
                 f"{tokens} tokens ({len(self.dual_layers)} full-attention layers), but may use "
-                f"{(self.host_limit - self.host_claimed) / 2**30:.2f} GiB more (max_host_bytes="
+                f"{_size(self.host_limit - self.host_claimed)} more (max_host_bytes="
                 f"{self.dual_config.max_host_bytes}). Lower the batch size, the prompt length or max_new_tokens, "
                 "or raise `max_host_bytes` in cache_config."
             )
@@ -474,8 +499,8 @@ class DualDecoderCache(Cache):
             self.reserve_host(1, 0, torch.float32)  # sets the limit
         if self.host_claimed + nbytes > self.host_limit:
             raise HostMemoryError(
-                f"The dual cache's host stores would exceed {self.host_limit / 2**30:.2f} GiB (another "
-                f"{nbytes / 2**20:.1f} MiB chunk requested). Lower the batch size or the number of tokens, or raise "
+                f"The dual cache's host stores would exceed {_size(self.host_limit)} (another "
+                f"{_size(nbytes)} chunk requested). Lower the batch size or the number of tokens, or raise "
                 "`max_host_bytes` in cache_config."
             )
         self.host_claimed += nbytes

@@ -100,10 +100,13 @@ def _dual_config(args) -> DualDecoderConfig:
 def cmd_generate(args) -> int:
     from .models import load_model
 
-    with open(args.prompt_file, encoding="utf-8") as handle:
-        document = handle.read()
+    try:
+        with open(args.prompt_file, encoding="utf-8") as handle:
+            document = handle.read()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"cannot read --prompt-file {args.prompt_file}: {error}") from None
     if not document.strip():
-        raise SystemExit(f"error: {args.prompt_file} is empty.")
+        raise ValueError(f"--prompt-file {args.prompt_file} is empty.")
     config = _dual_config(args)
     model, tokenizer = load_model(args.model)
     text = f"{document}\n\n{args.question}"
@@ -173,13 +176,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `dual-decoder` console script."""
     args = build_parser().parse_args(argv)
-    if args.func in (cmd_generate, cmd_demo):
-        try:
+    try:
+        if args.func in (cmd_generate, cmd_demo):
             _dual_config(args)  # validate options before loading anything
-        except ValueError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 2
-    return args.func(args)
+            if args.max_new_tokens < 1:
+                raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}.")
+            if args.func is cmd_demo and args.tokens < 128:
+                raise ValueError(f"--tokens must be >= 128, got {args.tokens}.")
+        return args.func(args)
+    except (ValueError, OSError) as error:  # bad input, unreadable files, models that cannot be loaded
+        message = str(error).strip().splitlines()
+        print(f"error: {message[0] if message else type(error).__name__}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -84,7 +84,12 @@ class DualDecoderConfig:
     attention_kernel: str = "auto"
 
     def __post_init__(self) -> None:
-        self.layer_budgets = {int(k): v for k, v in dict(self.layer_budgets or {}).items()}
+        try:
+            self.layer_budgets = {int(k): v for k, v in dict(self.layer_budgets or {}).items()}
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"`layer_budgets` must map layer indices to budgets, e.g. {{5: 128}}; got {self.layer_budgets!r}."
+            ) from None
         self.validate()
 
     @classmethod

@@ -107,8 +107,11 @@ def dual_sample(
             logits_to_keep=keep, dual_cache=cache, **{cache_arg: cache},
         )
 
+    cache.check_model(model.config)
+    total_tokens = max(generation_config.max_length, prompt_len) + 1
+    cache.max_cache_len = cache.max_cache_len or total_tokens
     try:
-        cache.reserve_host(batch, max(generation_config.max_length, prompt_len) + 1, model.dtype)
+        cache.reserve_host(batch, total_tokens, model.dtype)
         with dual_attention_enabled(model), torch.inference_mode():
             chunk = config.prefill_chunk_size
             starts = range(0, prompt_len, chunk)

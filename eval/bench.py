@@ -47,6 +47,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..cache import available_host_bytes
 from ..cli import TimingStreamer
 from ..config import SPECULATORS, DualDecoderConfig
 
@@ -299,18 +300,6 @@ def kv_bytes_estimate(model_config, batch: int, tokens: int, dtype: torch.dtype)
     return 2 * text.num_hidden_layers * kv_heads * tokens * head_dim * item * batch
 
 
-def host_memory_available() -> int:
-    """Bytes of host memory available now (`MemAvailable` of /proc/meminfo; physical memory elsewhere)."""
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # cache accounting
 # ----------------------------------------------------------------------------------------------------------------
@@ -432,7 +421,7 @@ def run_cell(model, prompts: PromptSource, method: str, context: int, batch: int
 
     needs_host = method != "dense" or device.type == "cpu"
     estimate = kv_bytes_estimate(model.config, batch, ids.shape[1] + new_tokens, model.dtype)
-    if needs_host and estimate > 0.85 * host_memory_available():
+    if needs_host and estimate > 0.85 * available_host_bytes():
         row["error"] = f"host memory: the KV cache needs ~{estimate / GIB:.1f} GiB, more than 85% of what is free"
         return row
 
@@ -785,6 +774,11 @@ def run_from_args(args) -> int:
             )
         if args.threads is not None and args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}.")
+        skip = skipped_methods(grid, device)
+        if not set(grid.expanded_methods()) - set(skip):
+            raise ValueError("no method of --methods can run here: " + "; ".join(skip.values()))
+        if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
+            raise ValueError(f"--out {args.out} exists and is not a folder.")
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 
-from .harness import RowWriter, row_key, score_prediction
+from .harness import RowWriter, read_rows, row_key, score_prediction
 
 
 def export_prompts(items, path: str, model_name: str) -> None:
@@ -30,15 +30,7 @@ def export_prompts(items, path: str, model_name: str) -> None:
 def _read_jsonl(path: str) -> list[dict]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} does not exist.")
-    rows = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{path}:{number}: not valid JSON ({error.msg}).") from error
-    return rows
+    return read_rows(path)
 
 
 def merge_kvpress(prompts_path: str, kvpress_path: str, out_path: str) -> int:

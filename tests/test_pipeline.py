@@ -164,7 +164,7 @@ def test_host_capacity_check_raises_before_allocating():
     with pytest.raises(HostMemoryError, match="max_host_bytes") as error:
         model.generate(ids, max_new_tokens=8, cache_implementation="dual",
                        cache_config={"host_chunk_tokens": 128, "max_host_bytes": needed - 1})
-    assert f"{needed / 2**30:.2f} GiB" in str(error.value)
+    assert f"{needed:,} bytes" in str(error.value)
     assert live_host_bytes() == host and threading.active_count() == threads
     out = model.generate(ids, max_new_tokens=8, cache_implementation="dual", return_dict_in_generate=True,
                          cache_config={"host_chunk_tokens": 128, "max_host_bytes": needed})
