@@ -112,6 +112,16 @@ def _draw(ax, series: dict, ylabel: str, title: str) -> None:
     ax.grid(alpha=0.3)
 
 
+def _save(fig, path: str) -> str:
+    """Lay out, write `fig` as a PNG to `path`, close it; returns `path`."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_plots(rows: list[dict], out_dir: str) -> list[str]:
     """`score_vs_budget.png` and `fidelity_vs_budget.png` in `out_dir` (each only when it has data)."""
     import matplotlib
@@ -129,11 +139,7 @@ def write_plots(rows: list[dict], out_dir: str) -> list[str]:
             _draw(ax, _series(subset, lambda r: r["score"]), "score (0–100)", f"{d} {t} {_length_label(n)}")
             ax.set_ylim(-5, 105)
         axes[0][-1].legend(fontsize=7, loc="best")
-        fig.tight_layout()
-        path = os.path.join(out_dir, "score_vs_budget.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, os.path.join(out_dir, "score_vs_budget.png")))
     fid = [r for r in rows if r["dataset"] == "fidelity" and r["task"] == "teacher_forced_top1"]
     if fid:
         lengths = sorted({r["length"] for r in fid})
@@ -147,11 +153,7 @@ def write_plots(rows: list[dict], out_dir: str) -> list[str]:
             _draw(row_axes[2], _series(subset, lambda r: r["identical_tokens"]), "identical greedy tokens",
                   f"identical greedy continuation {_length_label(n)}")
         axes[0][-1].legend(fontsize=7, loc="best")
-        fig.tight_layout()
-        path = os.path.join(out_dir, "fidelity_vs_budget.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, os.path.join(out_dir, "fidelity_vs_budget.png")))
     return written
 
 
