@@ -265,6 +265,24 @@ class DualLayer(CacheLayerMixin):
         """
         if self.budget == 0:
             return
+        batch, kv_heads = self.host.shape_prefix
+        shape = (batch, kv_heads, self.budget, self.host.head_dim)
+        self.schedule.submit(self.layer_idx, self._selection_job(query, committed), shape, self.host.dtype)
+
+    def repair_selection(self, query: torch.Tensor, committed: int, rows: torch.Tensor) -> None:
+        """Miss repair: re-select the running step's entries of `rows` with the real token's own query.
+
+        Args:
+            query: `(B, H_q, D)` the real token's query at this layer (slot 0 of the step).
+            committed: real tokens in the cache before the step (as in `submit_selection`).
+            rows: `(B,)` bool host tensor, True for sequences whose speculated token missed.
+        """
+        if self.budget > 0:
+            self.schedule.repair(self.layer_idx, self._selection_job(query, committed), rows)
+
+    def _selection_job(self, query: torch.Tensor, committed: int):
+        """A job filling a staging `Selection` `(B, H_kv, budget[, D])` with the top entries for `query`
+        `(B, H_q, D)` among the candidates below `committed - window`, then gathering their K/V from the host."""
         hi = max(0, committed - self.config.window)
         host_query = query.detach().to("cpu", torch.float32)
         host = self.host
@@ -295,15 +313,15 @@ class DualLayer(CacheLayerMixin):
                 staging.valid.copy_(valid)
             host.gather(staging.indices, out=(staging.keys, staging.values))
 
-        batch, kv_heads = host.shape_prefix
-        self.schedule.submit(self.layer_idx, job, (batch, kv_heads, budget, host.head_dim), host.dtype)
+        return job
 
     def decode_segments(self, query: torch.Tensor, scaling: float) -> list[KVSegment]:
         """The device-resident KV segments the running step attends to: sink, selection, window ring.
 
         Args:
             query: `(B, H_q, q, D)` queries of the step (q = 1 or 2); the oracle and Quest selectors select with
-                the real token's query (slot 0) here, synchronously.
+                the real token's query (slot 0) here, synchronously, and so does miss repair for the rows in
+                `DualDecoderCache.repair_rows`.
 
         Returns:
             `KVSegment`s read in place (no concatenation); the ring segment also holds the step's q new tokens.
@@ -316,6 +334,9 @@ class DualLayer(CacheLayerMixin):
                 self.scaling = scaling
                 self.submit_selection(query[:, :, 0], committed=n - q)
             selection = self.schedule.acquire(self.layer_idx)
+            repair = self.owner.repair_rows
+            if repair is not None and self.config.selector in ("exact", "block"):
+                self.repair_selection(query[:, :, 0], n - q, repair)
             segments.append(KVSegment(selection.keys, selection.values, selection.indices, selection.valid))
         ring_pos, ring_valid = self.state.ring_view(n, q, self.config.window, self.ring_size, self.sink_last)
         segments.append(KVSegment(self.ring_keys, self.ring_values, ring_pos, ring_valid))
@@ -407,6 +428,7 @@ class DualDecoderCache(Cache):
         self.max_cache_len = max_cache_len
         self.spec_hits = 0
         self.spec_steps = 0
+        self.repair_rows: torch.Tensor | None = None
         self.host_limit: int | None = None
         self.host_claimed = 0
         self._final_stats: dict | None = None
@@ -541,6 +563,19 @@ class DualDecoderCache(Cache):
         for layer in dual:
             layer.start_decoding()
 
+    def set_repair_rows(self, rows: torch.Tensor | None) -> None:
+        """Mark the sequences whose selection for the next forward must be repaired (miss repair).
+
+        Args:
+            rows: `(B,)` bool, True where the speculated token that chose the next step's entries differed from
+                the real token; None (or no True) = nothing to repair. Applies to every layer of the next forward.
+        """
+        if rows is not None:
+            rows = rows.detach().to("cpu", torch.bool)
+            if not rows.any():
+                rows = None
+        self.repair_rows = rows
+
     def record_speculation(self, hits: int, steps: int) -> None:
         """Add speculation outcomes: `hits` of `steps` speculated tokens equalled the real next token."""
         self.spec_hits += int(hits)
@@ -576,7 +611,9 @@ class DualDecoderCache(Cache):
             seq_length: tokens stored; steps: decode forward passes;
             retrieval_seconds, copy_seconds: host time spent scoring + gathering, and issuing copies;
             wait_seconds: time the compute side waited for selections (all of it on the synchronous path);
-            overlap_ratio: `1 − wait / (retrieval + copy)` (nan before the first decode step).
+            overlap_ratio: `1 − wait / (retrieval + copy)` (nan before the first decode step);
+            repairs, repaired_steps, repair_seconds: (step, layer) selections redone by miss repair, the decode
+                steps in which any was, and the time they took.
         """
         if self._final_stats is not None:
             return dict(self._final_stats)
@@ -606,6 +643,9 @@ class DualDecoderCache(Cache):
             "copy_seconds": 0.0 if schedule is None else schedule.copy_seconds,
             "wait_seconds": 0.0 if schedule is None else schedule.wait_seconds,
             "overlap_ratio": float("nan") if schedule is None else schedule.overlap_ratio(),
+            "repairs": 0 if schedule is None else schedule.repairs,
+            "repaired_steps": 0 if schedule is None else schedule.repaired_steps,
+            "repair_seconds": 0.0 if schedule is None else schedule.repair_seconds,
         }
 
     def timeline(self) -> list[dict]:

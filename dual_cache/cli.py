@@ -86,14 +86,15 @@ def stats_line(info: dict) -> str:
     return (
         f"decode {info['tokens_per_s']:.2f} tokens/s | speculation hit rate {hit} | device "
         f"{_human(info['device_bytes'])} vs dense cache {_human(info['dense_equivalent_bytes'])} ({ratio:.1%}) "
-        f"| host {_human(info['host_bytes'])}"
+        f"| host {_human(info['host_bytes'])} "
+        f"| miss-repaired steps {info.get('repaired_steps', 0)}/{info.get('steps', 0)}"
     )
 
 
 def _dual_config(args) -> DualDecoderConfig:
     return DualDecoderConfig(
         budget=args.budget, n_sink=args.n_sink, window=args.window, speculator=args.speculator,
-        prefill_progress=True,
+        miss_repair=not args.no_miss_repair, prefill_progress=True,
     )
 
 
@@ -148,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--n-sink", type=int, default=4, help="sink tokens kept on the device")
         p.add_argument("--window", type=int, default=64, help="local window kept on the device (tokens)")
         p.add_argument("--speculator", default="self", choices=["self", "ngram", "none"])
+        p.add_argument("--no-miss-repair", action="store_true",
+                       help="keep a mis-speculated step's prefetched entries (no synchronous re-selection)")
         p.add_argument("--max-new-tokens", type=int, default=32)
 
     gen = sub.add_parser("generate", help="answer a question about a document with the dual cache")

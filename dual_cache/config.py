@@ -39,6 +39,11 @@ class DualDecoderConfig:
             speculated slot (two tokens per forward). `"ngram"`: prompt lookup (transformers'
             `PromptLookupCandidateGenerator`), falling back to `"self"` where it finds no match. `"none"`: one
             token per forward; the real token's query selects for the next step.
+        miss_repair: when the real token differs from the speculated token that chose its step's entries, select
+            that step's entries again with the real token's own query, synchronously, layer by layer (only for the
+            sequences that missed). Restores exact-top-k quality on miss steps at the cost of a host retrieval
+            on the critical path of those steps; False keeps the step fully pipelined (the paper's method).
+            Applies to the `"self"` and `"ngram"` speculators with the `"exact"` and `"block"` selectors.
         selector: `"exact"` top-k over host keys, `"block"` block-level top-k, `"oracle"` selects with the
             real token's own query synchronously at the step that uses it (evaluation upper bound only),
             `"quest"` the Quest baseline (Tang et al., 2024): pages of `block_size` tokens ranked by a min/max
@@ -72,6 +77,7 @@ class DualDecoderConfig:
     layer_budgets: dict[int, int] = field(default_factory=dict)
     layers_in_flight: int = 2
     speculator: str = "self"
+    miss_repair: bool = True
     selector: str = "exact"
     retrieval_threads: int | None = None
     prefill_chunk_size: int = 8192
@@ -175,6 +181,6 @@ class DualDecoderConfig:
                         f"`{name}`={value} must be a multiple of `block_size`={self.block_size} with "
                         f"selector={self.selector!r}; change the budget or the block size."
                     )
-        for name in ("prefill_progress", "record_timeline"):
+        for name in ("prefill_progress", "record_timeline", "miss_repair"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")

@@ -119,7 +119,10 @@ class TransferSchedule:
         self._slots: list[Selection] = []
         self._slot_free: list[torch.cuda.Event | None] = [None] * layers_in_flight
         self._next_slot = 0
-        self._in_use: dict[int, tuple[int, _Record]] = {}
+        self._in_use: dict[int, tuple[int, _Record, Selection]] = {}  # layer -> (slot, record, device view)
+        self._repair_buffers: list[torch.Tensor] = []  # flat host buffers behind `repair` staging views
+        self._repair_free: torch.cuda.Event | None = None
+        self._last_repaired_step: int | None = None
         self._t0 = time.perf_counter()
         self._timeline: list[_Record] = []
         self.steps = 0
@@ -127,6 +130,9 @@ class TransferSchedule:
         self.retrieval_seconds = 0.0
         self.copy_seconds = 0.0
         self.wait_seconds = 0.0
+        self.repairs = 0
+        self.repaired_steps = 0
+        self.repair_seconds = 0.0
         self.closed = False
 
     # --- host side -----------------------------------------------------------------------------------
@@ -182,12 +188,74 @@ class TransferSchedule:
         if self._cuda:
             torch.cuda.current_stream(self.device).wait_event(ready)
         record.update(step=self.steps, attention_start=time.perf_counter() - self._t0)
-        self._in_use[layer_idx] = (record["slot"], record)
+        self._in_use[layer_idx] = (record["slot"], record, view)
         return view
+
+    def repair(self, layer_idx: int, job: Callable[[Selection], None], rows: torch.Tensor) -> None:
+        """Replace some sequences' entries of `layer_idx`'s acquired selection now, on the calling thread.
+
+        Miss repair: the rows whose prefetched selection was chosen with a mis-speculated token's query get the
+        selection of the real token's query instead. Synchronous by nature (that query exists only now): the
+        compute side waits for the job and the copy, both counted in `wait_seconds`, `repair_seconds` and
+        `bytes_copied`. On CUDA the copy is queued on the compute stream, after the prefetched copy and before
+        the layer's attention.
+
+        Args:
+            job: fills a host staging `Selection` of the acquired selection's shape `(B, H_kv, k[, D])`, every row.
+            rows: `(B,)` bool on the host; True for the sequences whose entries are replaced.
+
+        Raises:
+            KeyError: if `layer_idx` has no acquired (unreleased) selection.
+        """
+        _, record, view = self._in_use[layer_idx]
+        if self._repair_free is not None:
+            self._repair_free.synchronize()  # the previous repair's copy out of the staging buffers has finished
+        staging = self._repair_staging(view)
+        start = time.perf_counter()
+        job(staging)
+        copy_start = time.perf_counter()
+        row_ids = rows.nonzero().flatten()
+        if len(row_ids) == len(rows):
+            view.copy_from(staging, non_blocking=self._cuda)
+            copied = staging.nbytes
+        else:
+            device_rows = row_ids.to(self.device)
+            copied = 0
+            for dst, src in zip((view.indices, view.valid, view.keys, view.values),
+                                (staging.indices, staging.valid, staging.keys, staging.values)):
+                picked = src.index_select(0, row_ids)
+                dst.index_copy_(0, device_rows, picked.to(self.device, non_blocking=self._cuda))
+                copied += picked.nbytes
+        if self._cuda:
+            self._repair_free = torch.cuda.Event()
+            self._repair_free.record(torch.cuda.current_stream(self.device))
+        end = time.perf_counter()
+        if record["step"] != self._last_repaired_step:
+            self.repaired_steps += 1
+            self._last_repaired_step = record["step"]
+        self.repairs += 1
+        self.repair_seconds += end - start
+        self.retrieval_seconds += copy_start - start
+        self.copy_seconds += end - copy_start
+        self.wait_seconds += end - start
+        self.bytes_copied += copied
+        record.update(repaired_rows=len(row_ids), repair_seconds=end - start, bytes=record.get("bytes", 0) + copied)
+
+    def _repair_staging(self, like: Selection) -> Selection:
+        """Host staging (pinned on CUDA) of `like`'s shape: contiguous views of flat buffers that grow to the
+        largest selection repaired, shared by every layer (repairs run one at a time)."""
+        shapes = [like.indices.shape, like.valid.shape, like.keys.shape, like.values.shape]
+        dtypes = [like.indices.dtype, like.valid.dtype, like.keys.dtype, like.values.dtype]
+        numels = [int(torch.Size(shape).numel()) for shape in shapes]
+        if not self._repair_buffers or any(b.numel() < n for b, n in zip(self._repair_buffers, numels)):
+            self._repair_buffers = [
+                torch.empty(n, dtype=d, pin_memory=self._cuda) for n, d in zip(numels, dtypes)
+            ]
+        return Selection(*(b[:n].view(shape) for b, n, shape in zip(self._repair_buffers, numels, shapes)))
 
     def release(self, layer_idx: int) -> None:
         """`layer_idx`'s attention is queued on the compute stream; its slot may be reused after it."""
-        slot_idx, record = self._in_use.pop(layer_idx)
+        slot_idx, record, _ = self._in_use.pop(layer_idx)
         if self._cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
@@ -292,4 +360,6 @@ class TransferSchedule:
             self._slots = []
             self._staging.clear()
             self._staging_free.clear()
+            self._repair_buffers = []
+            self._repair_free = None
             self._slot_free = [None] * self.layers_in_flight

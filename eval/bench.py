@@ -21,7 +21,8 @@ Per cell (one `generate()` call of `batch` prompts of `context` tokens, `new_tok
 - `bytes_copied_per_step`: host→device bytes per decode step for the whole batch (dual: selections;
   offloaded: every layer is prefetched once per step, so the whole cache at its final size; dense: 0);
 - `overlap_ratio`, `wait_seconds`: the dual pipeline's telemetry (`cache.stats()`), NaN where absent;
-- `spec_hit_rate`: speculated tokens equal to the real next token / speculated tokens (dual only).
+- `spec_hit_rate`: speculated tokens equal to the real next token / speculated tokens (dual only);
+- `repaired_fraction`: decode steps whose selections miss repair redid / decode steps (dual only; `miss_repair`).
 
 Max concurrency for a device memory budget (`device_budget_gib`): on CPU computed as
 `floor((budget - weight bytes) / device_bytes_per_request)` from the measured per-request bytes (activations are
@@ -37,6 +38,7 @@ import argparse
 import gc
 import json
 import math
+import contextlib
 import os
 import platform
 import statistics
@@ -50,6 +52,7 @@ import torch
 from ..cache import available_host_bytes
 from ..cli import TimingStreamer
 from ..config import SPECULATORS, DualDecoderConfig
+from .cpu_linear import gemm_linears
 
 NAN = float("nan")
 DUAL_METHODS = tuple(f"dual-{s}" for s in SPECULATORS)  # dual-self, dual-ngram, dual-none
@@ -58,6 +61,7 @@ ALL_METHODS = BASELINES + DUAL_METHODS + ("quest",)
 METHOD_ALIASES = {"dual": DUAL_METHODS, "all": ALL_METHODS}
 BUDGETED = DUAL_METHODS + ("quest",)  # methods whose cells vary with the retrieval budget
 NAMED_MODELS = ("embedded", "tiny", "llama8b")
+CPU_LINEARS = ("stock", "gemm")  # see eval/cpu_linear.py
 GIB = 1024 ** 3
 
 # every key a cell row carries (tests check all of them are present)
@@ -67,7 +71,7 @@ COLUMNS = (
     "device_bytes_per_request", "cuda_peak_bytes_per_request", "cuda_decode_peak_bytes_per_request",
     "cuda_peak_total_bytes", "host_bytes_per_request",
     "dense_equivalent_bytes_per_request", "bytes_copied_per_step", "overlap_ratio", "wait_seconds",
-    "spec_hit_rate", "threads", "error",
+    "spec_hit_rate", "repaired_fraction", "threads", "error",
 )
 
 
@@ -105,6 +109,7 @@ class BenchGrid:
     quest_block_size: int = 16
     do_sample: bool = False
     dual_options: dict[str, Any] = field(default_factory=dict)
+    cpu_linear: str = "stock"
 
     def expanded_methods(self) -> tuple[str, ...]:
         """Methods with aliases expanded, in `ALL_METHODS` order, without duplicates."""
@@ -134,6 +139,8 @@ class BenchGrid:
                 raise ValueError(f"--{name} values must be integers >= {minimum}; got {bad}.")
         if self.warmup_steps < 0:
             raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}.")
+        if self.cpu_linear not in CPU_LINEARS:
+            raise ValueError(f"--cpu-linear must be one of {CPU_LINEARS}, got {self.cpu_linear!r}.")
         if self.new_tokens < self.warmup_steps + 3:
             raise ValueError(
                 f"--new-tokens={self.new_tokens} leaves fewer than 2 timed decode steps after "
@@ -320,7 +327,8 @@ def cache_accounting(method: str, cache) -> dict[str, float]:
     `bytes_copied_per_step_estimate` (offloaded only), and the dual telemetry (`overlap_ratio`, `wait_seconds`,
     `steps`, `spec_hits`, `spec_steps`; NaN when the cache does not report them).
     """
-    empty = {"overlap_ratio": NAN, "wait_seconds": NAN, "steps": NAN, "spec_hits": NAN, "spec_steps": NAN}
+    empty = {"overlap_ratio": NAN, "wait_seconds": NAN, "steps": NAN, "spec_hits": NAN, "spec_steps": NAN,
+             "repaired_fraction": NAN}
     if method == "dense":
         total = sum(_layer_bytes(cache))
         return {"device_bytes": total, "host_bytes": 0, "dense_equivalent_bytes": total, "bytes_copied": 0, **empty}
@@ -339,6 +347,7 @@ def cache_accounting(method: str, cache) -> dict[str, float]:
         "overlap_ratio": stats.get("overlap_ratio", NAN), "wait_seconds": stats.get("wait_seconds", NAN),
         "steps": stats.get("steps", NAN), "spec_hits": stats.get("spec_hits", NAN),
         "spec_steps": stats.get("spec_steps", NAN),
+        "repaired_fraction": stats["repaired_steps"] / stats["steps"] if stats.get("steps") else NAN,
     }
 
 
@@ -477,6 +486,7 @@ def run_cell(model, prompts: PromptSource, method: str, context: int, batch: int
         bytes_copied_per_step=copied,
         overlap_ratio=acct["overlap_ratio"], wait_seconds=acct["wait_seconds"],
         spec_hit_rate=(acct["spec_hits"] / acct["spec_steps"]) if acct["spec_steps"] else NAN,
+        repaired_fraction=acct["repaired_fraction"],
     )
     return row
 
@@ -587,6 +597,15 @@ def run_bench(model, tokenizer, grid: BenchGrid, device_budget_gib: float | None
         log: where progress lines go (each finished cell's JSON too).
     """
     grid.validate()
+    device = model.device
+    if grid.cpu_linear == "gemm" and device.type != "cpu":
+        raise ValueError("--cpu-linear gemm is a CPU benchmark condition; use --cpu-linear stock on " + device.type)
+    linears = gemm_linears(model) if grid.cpu_linear == "gemm" else contextlib.nullcontext()
+    with linears:
+        return _run_bench(model, tokenizer, grid, device_budget_gib, model_name, max_batch_cap, sweep_new_tokens, log)
+
+
+def _run_bench(model, tokenizer, grid, device_budget_gib, model_name, max_batch_cap, sweep_new_tokens, log):
     device = model.device
     skip = skipped_methods(grid, device)
     for method, reason in skip.items():
@@ -729,6 +748,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sample", action="store_true", help="sample at temperature 1 instead of greedy")
     parser.add_argument("--dual-options", type=_json_object, default={},
                         help='further DualDecoderConfig fields as JSON, e.g. \'{"early_layers": 0}\'')
+    parser.add_argument("--cpu-linear", default="stock", choices=CPU_LINEARS,
+                        help="CPU only: 'gemm' computes every method's few-row linears as W·xᵀ (1 row padded to 2), "
+                             "the fast BLAS path on CPUs where F.linear's 2-row GEMM costs ~2x one row; "
+                             "see eval/cpu_linear.py")
     parser.add_argument("--device-budget-gib", type=float, default=None,
                         help="device memory budget (GiB) for the max-concurrency table")
     parser.add_argument("--max-batch-cap", type=int, default=256, help="largest batch the CUDA sweep tries")
@@ -744,7 +767,7 @@ def grid_from_args(args) -> BenchGrid:
         methods=tuple(args.methods), batches=tuple(args.batches), contexts=tuple(args.contexts),
         budgets=tuple(args.budgets), new_tokens=args.new_tokens, warmup_steps=args.warmup_steps,
         n_sink=args.n_sink, window=args.window, prefill_chunk_size=args.prefill_chunk_size, do_sample=args.sample,
-        dual_options=dict(args.dual_options),
+        dual_options=dict(args.dual_options), cpu_linear=args.cpu_linear,
     )
 
 

@@ -44,11 +44,11 @@ def cell_table(cells: list[dict]) -> str:
     """Markdown table, one line per cell; `×dense` / `×offl` are this row's decode tokens/s over the dense /
     offloaded row at the same context and batch, `dev/dense` its device bytes per request over dense's."""
     head = ("| method | context | batch | prefill s | decode tok/s | ms/step | device MiB/req | CUDA peak MiB/req all / decode | "
-            "host MiB/req | copied MiB/step | overlap | hit rate | ×dense tok/s | ×offl tok/s | dev/dense bytes |")
+            "host MiB/req | copied MiB/step | overlap | hit rate | repaired | ×dense tok/s | ×offl tok/s | dev/dense bytes |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in cells:
         if row["error"] is not None:
-            lines.append(f"| {label(row)} | {row['context']} | {row['batch']} | error: {row['error']} |" + " |" * 11)
+            lines.append(f"| {label(row)} | {row['context']} | {row['batch']} | error: {row['error']} |" + " |" * 12)
             continue
         dense = _baseline(cells, "dense", row["context"], row["batch"])
         offl = _baseline(cells, "offloaded", row["context"], row["batch"])
@@ -61,6 +61,7 @@ def cell_table(cells: list[dict]) -> str:
             f"{_mib(row['cuda_decode_peak_bytes_per_request'])} | "
             f"{_mib(row['host_bytes_per_request'])} | {_mib(row['bytes_copied_per_step'])} | "
             f"{_num(row['overlap_ratio'])} | {_num(row['spec_hit_rate'], '{:.0%}')} | "
+            f"{_num(row.get('repaired_fraction', math.nan), '{:.0%}')} | "
             f"{'—' if is_base or not dense else _num(_ratio(row['decode_tokens_per_s'], dense['decode_tokens_per_s']))} | "
             f"{'—' if is_base or not offl else _num(_ratio(row['decode_tokens_per_s'], offl['decode_tokens_per_s']))} | "
             f"{_num(_ratio(row['device_bytes_per_request'], dense_bytes), '{:.2%}')} |"
@@ -98,7 +99,11 @@ def render_markdown(result) -> str:
         f"Model {meta.get('model')} on {meta.get('cuda_device', meta.get('device'))} ({meta.get('dtype')}, "
         f"{meta.get('threads')} threads), {meta.get('grid', {}).get('new_tokens')} new tokens, "
         f"{meta.get('grid', {}).get('warmup_steps')} warm-up steps"
-        + ("; sampling at temperature 1" if meta.get("grid", {}).get("do_sample") else "; greedy") + ".",
+        + ("; sampling at temperature 1" if meta.get("grid", {}).get("do_sample") else "; greedy")
+        + ("; every method's few-row linears as W·xᵀ (`--cpu-linear gemm`, eval/cpu_linear.py)"
+           if meta.get("grid", {}).get("cpu_linear") == "gemm" else "")
+        + (f"; dual options {meta['grid']['dual_options']}" if meta.get("grid", {}).get("dual_options") else "")
+        + ".",
         "",
         cell_table(result.cells),
     ]

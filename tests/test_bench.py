@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from dual_cache.eval import bench, bench_report
+from dual_cache.eval import bench, bench_report, cpu_linear
 from tests.conftest import tiny_llama
 
 # tiny_llama: 3 layers, 4 query / 2 KV heads, hidden 64 → head_dim 16, float32
@@ -112,7 +112,20 @@ def test_dual_memory_matches_hand_computation(result, method):
         # last layer runs, never used), Quest selects at the step that uses it
         steps = row["decode_steps"]
         total = steps * sum(layer_budgets) + (0 if method == "quest" else layer_budgets[0])
-        assert row["bytes_copied_per_step"] == row["batch"] * KV_HEADS * total * entry / steps
+        prefetched = row["batch"] * KV_HEADS * total * entry
+        # miss repair redoes every layer's selection of a missed step (the first step always), copying the rows
+        # that missed: between one row and the whole batch per repaired step
+        repaired_steps = round(row["repaired_fraction"] * steps)
+        if method in ("dual-self", "dual-ngram"):
+            assert repaired_steps >= 1
+        else:
+            assert repaired_steps == 0
+        per_row = repaired_steps * KV_HEADS * sum(layer_budgets) * entry
+        copied = row["bytes_copied_per_step"] * steps
+        if row["batch"] == 1:
+            assert copied == prefetched + per_row
+        else:
+            assert prefetched + per_row <= copied <= prefetched + row["batch"] * per_row
 
 
 def test_offloaded_accounting_on_a_dynamic_cache(model):
@@ -221,3 +234,38 @@ def test_sweep_max_batch_reports_what_limits_it():
     for error, limit in (("out of memory: CUDA", "device out of memory"), ("host memory: the KV cache", "host memory")):
         max_batch, row, _, limited_by = bench.sweep_max_batch(lambda b: probe(b, error), 10 ** 9, 256)
         assert (max_batch, row["batch"], limited_by) == (20, 20, limit)
+
+
+@pytest.mark.parametrize("shape", [(1, 24), (2, 24), (1, 3, 24), (2, 4, 24), (9, 24)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_linear_matches_f_linear(shape, bias):
+    generator = torch.Generator().manual_seed(sum(shape) + bias)
+    x = torch.randn(*shape, generator=generator)
+    weight = torch.randn(40, 24, generator=generator)
+    b = torch.randn(40, generator=generator) if bias else None
+    expected = torch.nn.functional.linear(x, weight, b)
+    got = cpu_linear.gemm_linear(x, weight, b)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gemm_linears_switch_every_linear_and_restore_on_error(model):
+    ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        stock = model(ids).logits
+        with pytest.raises(RuntimeError, match="boom"), cpu_linear.gemm_linears(model) as switched:
+            assert switched == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+            patched = model(ids[:, :1]).logits
+            raise RuntimeError("boom")
+        assert all("forward" not in vars(m) for m in model.modules() if isinstance(m, torch.nn.Linear))
+        torch.testing.assert_close(patched, model(ids[:, :1]).logits, rtol=1e-4, atol=1e-5)
+        assert torch.equal(model(ids).logits, stock)
+
+
+def test_bench_with_gemm_linears_runs_and_says_so(model):
+    grid = small_grid(methods=("dense", "dual-self"), batches=(1,), contexts=(40,), cpu_linear="gemm")
+    result = bench.run_bench(model, None, grid, model_name="tiny", log=quiet)
+    assert all(row["error"] is None for row in result.cells)
+    assert "--cpu-linear gemm" in bench_report.render_markdown(result)
+    with pytest.raises(ValueError, match="cpu-linear"):
+        small_grid(cpu_linear="fast").validate()

@@ -25,7 +25,7 @@ def test_full_budget_reproduces_dense_greedy_tokens(embedded, seed):
     assert torch.equal(dense, dual)
 
 
-@pytest.mark.parametrize("seed", [0, 2])
+@pytest.mark.parametrize("seed", [0, 2, 3, 7])  # 3 and 7 fail without miss repair ("is 3.", "is 35.")
 def test_needle_answer_at_budget_256_equals_dense(embedded, seed):
     model, tokenizer = embedded
     prompt = make_needle_prompt(tokenizer, 4096, seed=seed)

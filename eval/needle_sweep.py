@@ -1,0 +1,112 @@
+"""Word-needle sweep on the embedded model: how many needles dense and each dual configuration answer (issue 2's
+quality target: at 4K, budget 256, as many correct answers as dense).
+
+    python -m dual_cache.eval.needle_sweep --tokens 4096 --seeds 0-15 --budget 256 --out results/needle/4k
+
+Writes `<out>.jsonl` (one row per seed: the answer and each method's text and correctness) and `<out>.md` (the
+table and the counts). Prompts are `needle.make_needle_prompt` ("The special magic number for <word> is: <7
+digits>" inside a real document), greedy decoding, 24 new tokens; an answer is correct when it contains the digits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from .needle import format_chat, make_needle_prompt
+
+METHODS = {
+    "dense": None,
+    "dual": {},
+    "dual-no-repair": {"miss_repair": False},
+    "dual-none": {"speculator": "none"},
+    "oracle": {"selector": "oracle"},
+}
+
+
+def parse_seeds(text: str) -> list[int]:
+    """`"0-15"` → 0..15, `"0,3,7"` → [0, 3, 7]; raises `ValueError` on anything else."""
+    try:
+        if "-" in text:
+            first, last = (int(part) for part in text.split("-", 1))
+            seeds = list(range(first, last + 1))
+        else:
+            seeds = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--seeds must look like 0-15 or 0,3,7; got {text!r}.") from None
+    if not seeds or min(seeds) < 0:
+        raise ValueError(f"--seeds must name at least one seed >= 0; got {text!r}.")
+    return seeds
+
+
+def run(model, tokenizer, tokens: int, seeds: list[int], budget: int, methods: list[str], log=print) -> list[dict]:
+    """One row per seed: `seed`, `answer`, `prompt_tokens`, and per method `<m>` (bool) and `<m>_text`."""
+    rows = []
+    for seed in seeds:
+        prompt = make_needle_prompt(tokenizer, tokens, seed=seed)
+        ids = torch.tensor([format_chat(tokenizer, prompt.text)])
+        row = {"seed": seed, "answer": prompt.answer, "prompt_tokens": ids.shape[1]}
+        for name in methods:
+            options = METHODS[name]
+            kwargs = {} if options is None else {
+                "cache_implementation": "dual", "cache_config": {"budget": budget, "n_sink": 4, "window": 64, **options}
+            }
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, **kwargs)
+            text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            row[name], row[f"{name}_text"] = prompt.answer in text, text
+        rows.append(row)
+        log(json.dumps(row))
+    return rows
+
+
+def markdown(rows: list[dict], methods: list[str], tokens: int, budget: int) -> str:
+    """The per-seed table and the correct-answer counts."""
+    head = "| seed | answer | " + " | ".join(methods) + " |"
+    lines = [f"Word needle at {tokens} tokens, budget {budget} (sink 4, window 64), greedy, embedded SmolLM2-135M.", "",
+             head, "|" + "---|" * (len(methods) + 2)]
+    for row in rows:
+        cells = [("✓ " if row[m] else "✗ ") + repr(row[f"{m}_text"].strip()[-24:]) for m in methods]
+        lines.append(f"| {row['seed']} | {row['answer']} | " + " | ".join(cells) + " |")
+    counts = ", ".join(f"{m} {sum(r[m] for r in rows)}/{len(rows)}" for m in methods)
+    return "\n".join(lines + ["", f"Correct: {counts}."]) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096, help="prompt length (tokens)")
+    parser.add_argument("--seeds", default="0-15", help="e.g. 0-15 or 0,3,7")
+    parser.add_argument("--budget", type=int, default=256, help="dual budget (tokens per KV head per layer)")
+    parser.add_argument("--methods", nargs="+", default=["dense", "dual", "dual-no-repair"], choices=list(METHODS))
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--out", default=None, help="output path without extension (writes .jsonl and .md)")
+    args = parser.parse_args(argv)
+    try:
+        seeds = parse_seeds(args.seeds)
+        if args.tokens < 256 or args.budget < 1:
+            raise ValueError("--tokens must be >= 256 and --budget >= 1.")
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from ..models import load_default_model
+
+    model, tokenizer = load_default_model()
+    rows = run(model, tokenizer, args.tokens, seeds, args.budget, args.methods)
+    table = markdown(rows, args.methods, args.tokens, args.budget)
+    print(table)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out + ".jsonl", "w", encoding="utf-8") as handle:
+            handle.writelines(json.dumps(row) + "\n" for row in rows)
+        with open(args.out + ".md", "w", encoding="utf-8") as handle:
+            handle.write(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""The needle sweep's argument parsing and report (the model run itself is the embedded anchors' job)."""
+
+import pytest
+
+from dual_cache.eval import needle_sweep
+
+
+def test_parse_seeds():
+    assert needle_sweep.parse_seeds("0-3") == [0, 1, 2, 3]
+    assert needle_sweep.parse_seeds("5,1") == [5, 1]
+    for bad in ("", "a-b", "3-1", "-1"):
+        with pytest.raises(ValueError, match="--seeds"):
+            needle_sweep.parse_seeds(bad)
+
+
+def test_markdown_counts_correct_answers():
+    rows = [
+        {"seed": 0, "answer": "1234567", "dense": True, "dense_text": "is 1234567.", "dual": True, "dual_text": "is 1234567."},
+        {"seed": 1, "answer": "7654321", "dense": True, "dense_text": "is 7654321.", "dual": False, "dual_text": "is 7."},
+    ]
+    table = needle_sweep.markdown(rows, ["dense", "dual"], 4096, 256)
+    assert "Correct: dense 2/2, dual 1/2." in table
+    assert table.count("\n| ") == 3  # header + 2 rows
+
+
+def test_bad_arguments_exit_2_before_loading_a_model(capsys):
+    assert needle_sweep.main(["--seeds", "x"]) == 2
+    assert "--seeds" in capsys.readouterr().err
+    assert needle_sweep.main(["--tokens", "10"]) == 2
