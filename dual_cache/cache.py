@@ -68,7 +68,9 @@ class _SequenceState:
             cached = positions[None, :] > self.sink_last[:, None]
             prompt = min(hi, self.prompt_valid.shape[1])
             cached[:, :prompt] &= self.prompt_valid[:, :prompt]
-            self.candidates = {hi: cached}  # one step's bound at a time
+            if len(self.candidates) >= 2:  # keep two bounds: a repaired step asks for hi and hi + 1 in turn
+                del self.candidates[min(self.candidates)]
+            self.candidates[hi] = cached
         return cached
 
     def ring_view(self, n: int, q: int, window: int, ring_size: int, sink_last: torch.Tensor):
@@ -335,8 +337,9 @@ class DualLayer(CacheLayerMixin):
                 self.submit_selection(query[:, :, 0], committed=n - q)
             selection = self.schedule.acquire(self.layer_idx)
             repair = self.owner.repair_rows
-            if repair is not None and self.config.selector in ("exact", "block"):
-                self.repair_selection(query[:, :, 0], n - q, repair)
+            every_candidate_fits = self.config.selector == "exact" and n - q - self.config.window <= self.budget
+            if repair is not None and self.config.selector in ("exact", "block") and not every_candidate_fits:
+                self.repair_selection(query[:, :, 0], n - q, repair)  # (when all fit, any query selects them all)
             segments.append(KVSegment(selection.keys, selection.values, selection.indices, selection.valid))
         ring_pos, ring_valid = self.state.ring_view(n, q, self.config.window, self.ring_size, self.sink_last)
         segments.append(KVSegment(self.ring_keys, self.ring_values, ring_pos, ring_valid))

@@ -39,9 +39,10 @@ class DualDecoderConfig:
             speculated slot (two tokens per forward). `"ngram"`: prompt lookup (transformers'
             `PromptLookupCandidateGenerator`), falling back to `"self"` where it finds no match. `"none"`: one
             token per forward; the real token's query selects for the next step.
-        miss_repair: when the real token differs from the speculated token that chose its step's entries, select
-            that step's entries again with the real token's own query, synchronously, layer by layer (only for the
-            sequences that missed). Restores exact-top-k quality on miss steps at the cost of a host retrieval
+        miss_repair: when the real token differs from the speculated token that chose its step's entries (and on
+            the first decode step, whose entries the prompt's last position chose), select that step's entries
+            again with the real token's own query, synchronously, layer by layer (only for the sequences that
+            missed, and only in layers whose candidates outnumber their budget). Restores exact-top-k quality on miss steps at the cost of a host retrieval
             on the critical path of those steps; False keeps the step fully pipelined (the paper's method).
             Applies to the `"self"` and `"ngram"` speculators with the `"exact"` and `"block"` selectors.
         selector: `"exact"` top-k over host keys, `"block"` block-level top-k, `"oracle"` selects with the

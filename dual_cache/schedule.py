@@ -239,7 +239,8 @@ class TransferSchedule:
         self.copy_seconds += end - copy_start
         self.wait_seconds += end - start
         self.bytes_copied += copied
-        record.update(repaired_rows=len(row_ids), repair_seconds=end - start, bytes=record.get("bytes", 0) + copied)
+        record.update(repaired_rows=len(row_ids), repair_seconds=end - start, bytes=record.get("bytes", 0) + copied,
+                      waited=record.get("waited", 0.0) + end - start)
 
     def _repair_staging(self, like: Selection) -> Selection:
         """Host staging (pinned on CUDA) of `like`'s shape: contiguous views of flat buffers that grow to the
@@ -328,7 +329,8 @@ class TransferSchedule:
     def timeline(self) -> list[dict]:
         """Per-(step, layer) records: `step`, `layer`, `slot`, `bytes`, `waited` (s) and `retrieval_start/end`,
         `copy_start/end`, `attention_start/end` in seconds since the schedule started (host clock; on CUDA the
-        copy and attention times are when they were issued). Empty unless `record_timeline`."""
+        copy and attention times are when they were issued); a miss-repaired record adds `repaired_rows` and
+        `repair_seconds` (included in `waited`, its bytes in `bytes`). Empty unless `record_timeline`."""
         return [dict(r) for r in self._timeline]
 
     # --- lifecycle -----------------------------------------------------------------------------------

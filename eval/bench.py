@@ -52,6 +52,7 @@ import torch
 from ..cache import available_host_bytes
 from ..cli import TimingStreamer
 from ..config import SPECULATORS, DualDecoderConfig
+from .cpu_linear import MAX_ROWS as CPU_GEMM_MAX_ROWS
 from .cpu_linear import gemm_linears
 
 NAN = float("nan")
@@ -141,6 +142,11 @@ class BenchGrid:
             raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}.")
         if self.cpu_linear not in CPU_LINEARS:
             raise ValueError(f"--cpu-linear must be one of {CPU_LINEARS}, got {self.cpu_linear!r}.")
+        if self.cpu_linear == "gemm" and 2 * max(self.batches, default=0) > CPU_GEMM_MAX_ROWS:
+            raise ValueError(
+                f"--cpu-linear gemm covers decode forwards of up to {CPU_GEMM_MAX_ROWS} rows (batch × 2 tokens); "
+                f"--batches goes to {max(self.batches)}. Use smaller batches or --cpu-linear stock."
+            )
         if self.new_tokens < self.warmup_steps + 3:
             raise ValueError(
                 f"--new-tokens={self.new_tokens} leaves fewer than 2 timed decode steps after "
@@ -325,7 +331,7 @@ def cache_accounting(method: str, cache) -> dict[str, float]:
     Returns `device_bytes`, `host_bytes`, `dense_equivalent_bytes` (what a DynamicCache would hold),
     `bytes_copied` (host→device in total, dual only; NaN where it is derived per step instead),
     `bytes_copied_per_step_estimate` (offloaded only), and the dual telemetry (`overlap_ratio`, `wait_seconds`,
-    `steps`, `spec_hits`, `spec_steps`; NaN when the cache does not report them).
+    `steps`, `spec_hits`, `spec_steps`, `repaired_fraction`; NaN when the cache does not report them).
     """
     empty = {"overlap_ratio": NAN, "wait_seconds": NAN, "steps": NAN, "spec_hits": NAN, "spec_steps": NAN,
              "repaired_fraction": NAN}

@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-MAX_ROWS = 8  # products with more rows than this keep `F.linear` (prefill)
+MAX_ROWS = 64  # products with more rows keep `F.linear` (prefill); decode of up to 32 sequences × 2 tokens fits
 
 
 def gemm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -44,13 +44,22 @@ def gemm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 @contextlib.contextmanager
 def gemm_linears(model: torch.nn.Module) -> Iterator[int]:
-    """Within the block, every `nn.Linear` of `model` computes with `gemm_linear`; restored on exit (exceptions
-    included). Yields the number of layers switched."""
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    for module in linears:
-        module.forward = lambda x, _m=module: gemm_linear(x, _m.weight, _m.bias)
+    """Within the block, every `nn.Linear` of `model` computes with `gemm_linear`; on exit (exceptions included)
+    each module's previous `forward` comes back, including one set on the instance (e.g. by a hook library).
+    Nested use is a no-op for modules already switched. Yields the number of modules switched by this block."""
+    switched = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and not getattr(module.forward, "_gemm_linear", False):
+            previous = vars(module).get("forward")
+            forward = lambda x, _m=module: gemm_linear(x, _m.weight, _m.bias)  # noqa: E731
+            forward._gemm_linear = True
+            module.forward = forward
+            switched.append((module, previous))
     try:
-        yield len(linears)
+        yield len(switched)
     finally:
-        for module in linears:
-            del module.forward  # back to the class's forward
+        for module, previous in switched:
+            if previous is None:
+                del module.forward  # back to the class's forward
+            else:
+                module.forward = previous

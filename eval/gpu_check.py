@@ -15,6 +15,7 @@ context for the host store). `--device cpu --tiny` runs both parts at toy sizes 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -43,7 +44,7 @@ def small_real_shaped_config(tiny: bool):
 
 
 def _generate(model, ids, new_tokens: int, **cache_options):
-    """Greedy tokens and, with cache options, the selections each layer acquired, as host tensors."""
+    """Greedy tokens and, with cache options, the selections each layer's attention read, as host tensors."""
     if not cache_options:
         return model.generate(ids, max_new_tokens=new_tokens, do_sample=False).cpu(), []
     cache = DualDecoderCache(model.config, **cache_options)
@@ -54,14 +55,15 @@ def _generate(model, ids, new_tokens: int, **cache_options):
         fresh = cache.schedule is None
         ensure(device)
         if fresh:
-            acquire = cache.schedule.acquire
+            schedule = cache.schedule
+            release = schedule.release
 
-            def spy(layer_idx):
-                view = acquire(layer_idx)
+            def spy(layer_idx):  # at release: the entries attention read, after any miss repair
+                view = schedule._in_use[layer_idx][2]
                 recorded.append((layer_idx, view.indices.to("cpu", copy=True), view.valid.to("cpu", copy=True)))
-                return view
+                release(layer_idx)
 
-            cache.schedule.acquire = spy
+            schedule.release = spy
 
     cache._ensure_schedule = spying_ensure
     tokens = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, cache=cache).cpu()
@@ -79,7 +81,8 @@ def check_correctness(device: torch.device, tiny: bool) -> list[dict]:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     config = small_real_shaped_config(tiny)
-    model = random_model(config, torch.float32, device, seed=0)
+    cpu_model = random_model(config, torch.float32, torch.device("cpu"), seed=0)
+    model = copy.deepcopy(cpu_model).to(device)  # the same weights (CUDA and CPU generators differ)
     context, new_tokens, budget = (300, 12, 32) if tiny else (3000, 24, 256)
     ids = torch.randint(1, config.vocab_size, (2, context), generator=torch.Generator().manual_seed(1)).to(device)
     results = []
@@ -100,7 +103,6 @@ def check_correctness(device: torch.device, tiny: bool) -> list[dict]:
         "detail": f"{len(pipe_sel)} (step, layer) selections, budget {budget}",
     })
 
-    cpu_model = random_model(config, torch.float32, torch.device("cpu"), seed=0)
     _, cpu_sel = _generate(cpu_model, ids.cpu(), 2, **partial, retrieval_threads=0, layers_in_flight=1, lookahead=0)
     layers = len({layer for layer, _, _ in cpu_sel})
     overlaps = []

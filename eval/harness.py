@@ -48,7 +48,9 @@ FIDELITY_TASKS = ("teacher_forced_top1", "greedy_identical")
 
 def row_key(row: dict) -> tuple:
     """The resume key of a row."""
-    return (row["dataset"], row["task"], row["method"], row.get("budget"), row["length"], row["sample"], row.get("model"))
+    config = json.dumps(row.get("cache_config"), sort_keys=True)  # e.g. rows from before an option existed
+    return (row["dataset"], row["task"], row["method"], row.get("budget"), row["length"], row["sample"], row.get("model"),
+            config)
 
 
 def read_rows(path: str) -> list[dict]:
@@ -192,7 +194,7 @@ def fidelity_items(tokenizer, lengths: list[int], samples: int, forced_tokens: i
 
 def _base_row(dataset, task, method: Method, length, sample, model_name) -> dict:
     return {"dataset": dataset, "task": task, "method": method.name, "budget": method.budget, "length": length,
-            "sample": sample, "model": model_name}
+            "sample": sample, "model": model_name, "cache_config": method.cache_config}
 
 
 def run(model, tokenizer, methods: list[Method], out_path: str, model_name: str,

@@ -3,7 +3,8 @@
 | method | budget | cache |
 |---|---|---|
 | `dense` | null | transformers' default `DynamicCache` (no `cache_implementation`) |
-| `dual` | b | `cache_config={"budget": b}` (speculated-token selection; default sink 4, window 64, and the first 2 layers retrieve `max(b, 1024)`) |
+| `dual` | b | `cache_config={"budget": b, "miss_repair": True}` (speculated-token selection, mis-speculated steps re-selected with the real token's query; default sink 4, window 64, and the first 2 layers retrieve `max(b, 1024)`) |
+| `dual-no-repair` | b | `{"budget": b, "miss_repair": False}`: speculated-token selection only (the paper's method) |
 | `dual-none` | b | `{"budget": b, "speculator": "none"}`: the previous real token's selection (what speculation buys) |
 | `oracle` | b | `{"budget": b, "selector": "oracle"}`: the real token's own top-k (upper bound) |
 | `streaming` | 0 | `{"budget": 0, "early_layers": 0, "speculator": "none"}`: StreamingLLM-style sink + window only |
@@ -18,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-METHOD_NAMES = ("dense", "dual", "dual-none", "oracle", "streaming", "quest")
+METHOD_NAMES = ("dense", "dual", "dual-no-repair", "dual-none", "oracle", "streaming", "quest")
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,9 @@ def make_method(name: str, budget: int | None = None) -> Method:
     if budget is None or isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(f"method {name!r} needs a positive integer budget, got {budget!r}.")
     config: dict[str, Any] = {"budget": budget}
-    if name == "dual-none":
+    if name in ("dual", "dual-no-repair"):
+        config["miss_repair"] = name == "dual"
+    elif name == "dual-none":
         config["speculator"] = "none"
     elif name == "oracle":
         config["selector"] = "oracle"
@@ -98,9 +101,9 @@ def parse_method(spec: str, default_budget: int) -> Method:
 
 
 def standard_methods(budgets: list[int], reference_budget: int = 256) -> list[Method]:
-    """The full comparison: dense, dual at every budget, then dual-none, oracle and quest at `reference_budget`,
-    and streaming."""
+    """The full comparison: dense, dual at every budget, then dual-no-repair, dual-none and oracle at
+    `reference_budget`, streaming, and quest at `reference_budget`."""
     methods = [make_method("dense")] + [make_method("dual", b) for b in budgets]
-    methods += [make_method(n, reference_budget) for n in ("dual-none", "oracle")]
+    methods += [make_method(n, reference_budget) for n in ("dual-no-repair", "dual-none", "oracle")]
     methods += [make_method("streaming"), make_method("quest", reference_budget)]
     return methods

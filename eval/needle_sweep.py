@@ -38,8 +38,10 @@ def parse_seeds(text: str) -> list[int]:
             seeds = [int(part) for part in text.split(",")]
     except ValueError:
         raise ValueError(f"--seeds must look like 0-15 or 0,3,7; got {text!r}.") from None
-    if not seeds or min(seeds) < 0:
-        raise ValueError(f"--seeds must name at least one seed >= 0; got {text!r}.")
+    if not seeds:
+        raise ValueError(f"--seeds range {text!r} is empty; write it low-high, e.g. 0-15.")
+    if min(seeds) < 0:
+        raise ValueError(f"--seeds must be >= 0; got {text!r}.")
     return seeds
 
 
@@ -88,10 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         seeds = parse_seeds(args.seeds)
         if args.tokens < 256 or args.budget < 1:
             raise ValueError("--tokens must be >= 256 and --budget >= 1.")
+        if args.threads is not None and args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}.")
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     from ..models import load_default_model
 

@@ -12,7 +12,7 @@ import os
 from collections import defaultdict
 from statistics import mean
 
-METHOD_ORDER = ("dense", "dual", "dual-none", "oracle", "quest", "streaming")
+METHOD_ORDER = ("dense", "dual", "dual-no-repair", "dual-none", "oracle", "quest", "streaming")
 
 
 def _method_sort_key(key: tuple) -> tuple:

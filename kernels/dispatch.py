@@ -30,13 +30,21 @@ BACKENDS = ("auto", "torch", "triton")
 __all__ = ["BACKENDS", "resolve_backend", "sparse_decode_attention", "triton_import_error"]
 
 
+MIN_TRITON = (3, 7)  # triton 3.6 (measured on an H200 machine) fails to compile the kernel's constexpr arguments
+
+
 @functools.lru_cache(maxsize=1)
 def triton_import_error() -> str | None:
-    """None when the Triton kernel module imports, else why not (e.g. "No module named 'triton'")."""
+    """None when the Triton kernel module imports and triton is recent enough, else why not (e.g. "No module
+    named 'triton'", or a triton older than `MIN_TRITON`)."""
     try:
         from . import triton_decode  # noqa: F401
+        import triton
     except Exception as error:  # ImportError, or a broken triton install failing at import
         return f"{type(error).__name__}: {error}"
+    version = tuple(int(part) for part in triton.__version__.split(".")[:2] if part.isdigit())
+    if version < MIN_TRITON:
+        return f"triton {triton.__version__} is older than {'.'.join(map(str, MIN_TRITON))}, which the kernel needs"
     return None
 
 
@@ -81,7 +89,7 @@ def sparse_decode_attention(
     error = triton_import_error()
     if error is not None:
         raise RuntimeError(
-            f"attention backend 'triton' is unavailable ({error}); install triton (pip install triton) or use "
+            f"attention backend 'triton' is unavailable ({error}); install triton>=3.7 or use "
             "backend 'auto'/'torch'."
         )
     from .triton_decode import sparse_decode_attention_triton

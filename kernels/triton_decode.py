@@ -66,7 +66,6 @@ kernels unless `TRITON_INTERPRET=1`. In the interpreter, bf16 dot products are c
 operands (numpy has no bf16), with the probabilities rounded to bf16 first as on the GPU.
 """
 
-from __future__ import annotations
 
 import functools
 import os
@@ -128,7 +127,7 @@ def _attend_segment(
     k_ptr, v_ptr, p_ptr, ok_ptr,
     k_sl, k_sd, v_sl, v_sd, p_sl, ok_sl,
     seg_len, seg_start, start, end, offs_d, d_mask,
-    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr,
 ):
     # keys [start, end) of the virtual axis, intersected with this segment's [seg_start, seg_start + seg_len)
     lo = tl.maximum(start - seg_start, 0)
@@ -142,7 +141,7 @@ def _attend_segment(
         if UPCAST:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee" if IEEE_DOT else "tf32")
         s = s * scale_log2
         allowed = ok[None, :] & (pos[None, :] <= qpos[:, None])
         s = tl.where(allowed, s, float("-inf"))
@@ -155,7 +154,7 @@ def _attend_segment(
         if UPCAST:
             pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
         else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee" if IEEE_DOT else "tf32")
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     return acc, m_i, l_i
@@ -187,7 +186,7 @@ def _decode_kernel(
     ok3_sb, ok3_sh, ok3_sl,
     Q: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SEGS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_OUT: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_split = tl.program_id(1)
@@ -220,7 +219,7 @@ def _decode_kernel(
         k0 + b64 * k0_sb + h64 * k0_sh, v0 + b64 * v0_sb + h64 * v0_sh,
         p0 + b64 * p0_sb + h64 * p0_sh, ok0 + b64 * ok0_sb + h64 * ok0_sh,
         k0_sl, k0_sd, v0_sl, v0_sd, p0_sl, ok0_sl, len0, 0, start, end, offs_d, d_mask,
-        BLOCK_N, UPCAST, DOT_PRECISION,
+        BLOCK_N, UPCAST, IEEE_DOT,
     )
     if NUM_SEGS > 1:
         acc, m_i, l_i = _attend_segment(
@@ -228,7 +227,7 @@ def _decode_kernel(
             k1 + b64 * k1_sb + h64 * k1_sh, v1 + b64 * v1_sb + h64 * v1_sh,
             p1 + b64 * p1_sb + h64 * p1_sh, ok1 + b64 * ok1_sb + h64 * ok1_sh,
             k1_sl, k1_sd, v1_sl, v1_sd, p1_sl, ok1_sl, len1, len0, start, end, offs_d, d_mask,
-            BLOCK_N, UPCAST, DOT_PRECISION,
+            BLOCK_N, UPCAST, IEEE_DOT,
         )
     if NUM_SEGS > 2:
         acc, m_i, l_i = _attend_segment(
@@ -236,7 +235,7 @@ def _decode_kernel(
             k2 + b64 * k2_sb + h64 * k2_sh, v2 + b64 * v2_sb + h64 * v2_sh,
             p2 + b64 * p2_sb + h64 * p2_sh, ok2 + b64 * ok2_sb + h64 * ok2_sh,
             k2_sl, k2_sd, v2_sl, v2_sd, p2_sl, ok2_sl, len2, len0 + len1, start, end, offs_d, d_mask,
-            BLOCK_N, UPCAST, DOT_PRECISION,
+            BLOCK_N, UPCAST, IEEE_DOT,
         )
     if NUM_SEGS > 3:
         acc, m_i, l_i = _attend_segment(
@@ -244,7 +243,7 @@ def _decode_kernel(
             k3 + b64 * k3_sb + h64 * k3_sh, v3 + b64 * v3_sb + h64 * v3_sh,
             p3 + b64 * p3_sb + h64 * p3_sh, ok3 + b64 * ok3_sb + h64 * ok3_sh,
             k3_sl, k3_sd, v3_sl, v3_sd, p3_sl, ok3_sl, len3, len0 + len1 + len2, start, end, offs_d, d_mask,
-            BLOCK_N, UPCAST, DOT_PRECISION,
+            BLOCK_N, UPCAST, IEEE_DOT,
         )
 
     if WRITE_OUT:
@@ -451,7 +450,7 @@ def sparse_decode_attention_triton(
     kernels = _kernels(interpret)
     upcast = interpret and query.dtype == torch.bfloat16
     # only fp32 operands care; "tf32" is Triton's default for every other dtype
-    precision = "ieee" if (query.dtype == torch.float32 and not allow_tf32) else "tf32"
+    ieee_dot = query.dtype == torch.float32 and not allow_tf32  # a bool constexpr (str ones fail on triton 3.6)
     programs = batch * kv_heads * m_blocks
 
     # launches of up to 4 segments each; each launch covers its own range of workspace splits
@@ -487,7 +486,7 @@ def sparse_decode_attention_triton(
                 kv_heads, groups, rows, float(scaling) * _LOG2E, split, split_base, ws_splits,
                 *flat,
                 Q=q_len, HEAD_DIM=dim, NUM_SEGS=len(group), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-                WRITE_OUT=direct, UPCAST=upcast, DOT_PRECISION=precision,
+                WRITE_OUT=direct, UPCAST=upcast, IEEE_DOT=ieee_dot,
                 num_warps=4 if block_d <= 128 else 8, num_stages=2, enable_fp_fusion=True,
             )
         if not direct:

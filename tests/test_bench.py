@@ -113,14 +113,16 @@ def test_dual_memory_matches_hand_computation(result, method):
         steps = row["decode_steps"]
         total = steps * sum(layer_budgets) + (0 if method == "quest" else layer_budgets[0])
         prefetched = row["batch"] * KV_HEADS * total * entry
-        # miss repair redoes every layer's selection of a missed step (the first step always), copying the rows
-        # that missed: between one row and the whole batch per repaired step
+        # miss repair redoes the selection of a missed step (the first step always) in every layer where the
+        # candidates outnumber the budget (here: not layer 0 at context 40), copying the rows that missed:
+        # between one row and the whole batch per repaired step
         repaired_steps = round(row["repaired_fraction"] * steps)
+        repairing = [b for b in layer_budgets if row["context"] - window > b]
         if method in ("dual-self", "dual-ngram"):
             assert repaired_steps >= 1
         else:
             assert repaired_steps == 0
-        per_row = repaired_steps * KV_HEADS * sum(layer_budgets) * entry
+        per_row = repaired_steps * KV_HEADS * sum(repairing) * entry
         copied = row["bytes_copied_per_step"] * steps
         if row["batch"] == 1:
             assert copied == prefetched + per_row
@@ -261,6 +263,16 @@ def test_gemm_linears_switch_every_linear_and_restore_on_error(model):
         torch.testing.assert_close(patched, model(ids[:, :1]).logits, rtol=1e-4, atol=1e-5)
         assert torch.equal(model(ids).logits, stock)
 
+    # a forward already set on an instance (e.g. by a hook library) comes back; nesting is a no-op
+    linear = torch.nn.Linear(4, 3)
+    own = lambda x: torch.zeros(x.shape[:-1] + (3,))  # noqa: E731
+    linear.forward = own
+    with cpu_linear.gemm_linears(linear) as outer:
+        with cpu_linear.gemm_linears(linear) as inner:
+            assert (outer, inner) == (1, 0)
+        assert linear.forward is not own
+    assert linear.forward is own
+
 
 def test_bench_with_gemm_linears_runs_and_says_so(model):
     grid = small_grid(methods=("dense", "dual-self"), batches=(1,), contexts=(40,), cpu_linear="gemm")
@@ -269,3 +281,5 @@ def test_bench_with_gemm_linears_runs_and_says_so(model):
     assert "--cpu-linear gemm" in bench_report.render_markdown(result)
     with pytest.raises(ValueError, match="cpu-linear"):
         small_grid(cpu_linear="fast").validate()
+    with pytest.raises(ValueError, match="up to 64 rows"):
+        small_grid(cpu_linear="gemm", batches=(1, 33)).validate()

@@ -74,9 +74,11 @@ def test_teacher_forcing_full_budget_matches_dense(setup, items):
 def test_methods_and_errors(setup, items, tmp_path):
     model, tok = setup
     labels = [m.label for m in standard_methods([64, 128])]
-    assert labels == ["dense", "dual@64", "dual@128", "dual-none@256", "oracle@256", "streaming@0", "quest@256"]
+    assert labels == ["dense", "dual@64", "dual@128", "dual-no-repair@256", "dual-none@256", "oracle@256",
+                      "streaming@0", "quest@256"]
     assert parse_method("oracle", 128).cache_config == {"budget": 128, "selector": "oracle"}
-    assert parse_method("dual@32", 256).cache_config == {"budget": 32}
+    assert parse_method("dual@32", 256).cache_config == {"budget": 32, "miss_repair": True}
+    assert parse_method("dual-no-repair", 64).cache_config == {"budget": 64, "miss_repair": False}
     with pytest.raises(ValueError, match="unknown method"):
         parse_method("h2o", 256)
     with pytest.raises(ValueError, match="positive integer budget"):

@@ -384,3 +384,18 @@ def test_generate_with_triton_kernel_matches_torch(monkeypatch):
             for kernel in ("torch", "triton")}
     assert calls, "the Triton kernel was never called"
     assert torch.equal(outs["torch"], outs["triton"])
+
+
+def test_triton_older_than_3_7_is_refused(monkeypatch):
+    """Measured on an H200 machine: triton 3.6 fails to compile the kernel, so "auto" must not pick it."""
+    triton = pytest.importorskip("triton")
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    dispatch.triton_import_error.cache_clear()
+    try:
+        assert "older than 3.7" in dispatch.triton_import_error()
+        query = torch.randn(1, 2, 2, 16)
+        with pytest.raises(RuntimeError, match="triton>=3.7"):
+            dispatch.sparse_decode_attention(query, [], torch.tensor([0, 1]), 0.25, backend="triton")
+    finally:
+        monkeypatch.undo()
+        dispatch.triton_import_error.cache_clear()

@@ -27,3 +27,6 @@ def test_bad_arguments_exit_2_before_loading_a_model(capsys):
     assert needle_sweep.main(["--seeds", "x"]) == 2
     assert "--seeds" in capsys.readouterr().err
     assert needle_sweep.main(["--tokens", "10"]) == 2
+    assert needle_sweep.main(["--threads", "0"]) == 2
+    with pytest.raises(ValueError, match="empty"):
+        needle_sweep.parse_seeds("5-2")
