@@ -57,6 +57,7 @@ class _SequenceState:
 
     prompt_valid: torch.Tensor | None = None  # (B, P) bool host; False at pad positions
     sink_last: torch.Tensor | None = None  # (B,) int64 host: last sink position (first real position - 1 if none)
+    first_real: torch.Tensor | None = None  # (B,) int64 host: first real (non-pad) position; where blocks begin
     candidates: dict[int, torch.Tensor] = field(default_factory=dict)  # hi -> (B, hi) bool host
     ring: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # n -> ring positions, valid
 
@@ -291,6 +292,7 @@ class DualLayer(CacheLayerMixin):
         candidates = self.state.candidates_below(hi)
         budget, scaling, selector = self.budget, self.scaling, self.config.selector
         block = self.config.block_size if selector == "block" else 1
+        starts = self.state.first_real if selector == "block" else None  # left padding never moves block edges
         pages = None
         if selector == "quest" and hi > 0:
             n_pages = -(-hi // self.config.block_size)
@@ -309,7 +311,7 @@ class DualLayer(CacheLayerMixin):
                     )
                 else:
                     indices, valid = retrieval.select(
-                        host_query, host.key_chunks(hi), candidates, budget, scaling, block
+                        host_query, host.key_chunks(hi), candidates, budget, scaling, block, starts
                     )
                 staging.indices.copy_(indices)
                 staging.valid.copy_(valid)
@@ -561,6 +563,7 @@ class DualDecoderCache(Cache):
         first_real = torch.where(valid, positions, torch.full_like(positions, n)).amin(dim=1)
         last_sink = torch.where(is_sink, positions, torch.full_like(positions, -1)).amax(dim=1)
         self.state.sink_last = torch.maximum(last_sink, first_real - 1)  # pads lie at or below it
+        self.state.first_real = first_real
         self.state.candidates = {}
         self.state.ring = {}
         for layer in dual:

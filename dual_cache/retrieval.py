@@ -61,24 +61,34 @@ def select_topk(mass: torch.Tensor, candidates: torch.Tensor, budget: int) -> tu
 
 
 def select_blocks(
-    mass: torch.Tensor, candidates: torch.Tensor, budget: int, block_size: int
+    mass: torch.Tensor, candidates: torch.Tensor, budget: int, block_size: int, starts: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-level top-k: blocks of `block_size` consecutive positions ranked by their summed mass.
+
+    Args:
+        starts: `(B,)` int64 position where each sequence's first block begins (its first real token, so that left
+            padding does not move the block boundaries); None = 0 for every sequence.
 
     `budget` must be a multiple of `block_size`; returns `indices`, `valid` as `select_topk` does (positions
     past `n` or outside the candidates are invalid).
     """
     batch, kv_heads, n = mass.shape
+    if starts is not None and bool(starts.any()):  # shift each row so its first block starts at index 0
+        index = torch.arange(n)[None, :] + starts[:, None]
+        inside = (index < n)[:, None, :]
+        mass = torch.gather(mass, 2, index.clamp(max=n - 1)[:, None, :].expand(batch, kv_heads, n)) * inside
     n_blocks = -(-n // block_size)
     padded = torch.nn.functional.pad(mass, (0, n_blocks * block_size - n))
     block_mass = padded.view(batch, kv_heads, n_blocks, block_size).sum(-1)
-    return _top_blocks(block_mass, candidates, budget, block_size)
+    return _top_blocks(block_mass, candidates, budget, block_size, starts)
 
 
 def _top_blocks(
-    block_score: torch.Tensor, candidates: torch.Tensor, budget: int, block_size: int
+    block_score: torch.Tensor, candidates: torch.Tensor, budget: int, block_size: int,
+    starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token positions of the `budget // block_size` best blocks of `block_score` `(B, H_kv, n_blocks)`."""
+    """Token positions of the `budget // block_size` best blocks of `block_score` `(B, H_kv, n_blocks)`, block `j`
+    of a row covering `[starts + j·block_size, starts + (j+1)·block_size)`."""
     batch, kv_heads, n_blocks = block_score.shape
     n = candidates.shape[1]
     k_blocks = min(budget // block_size, n_blocks)
@@ -86,6 +96,8 @@ def _top_blocks(
     blocks, _ = torch.sort(top, dim=-1)
     offsets = torch.arange(block_size, device=block_score.device)
     indices = (blocks[..., None] * block_size + offsets).flatten(2)
+    if starts is not None:
+        indices = indices + starts[:, None, None]
     in_range = indices < n
     indices = torch.where(in_range, indices, torch.zeros_like(indices))
     valid = in_range & torch.gather(candidates[:, None, :].expand(batch, kv_heads, n), 2, indices)
@@ -153,12 +165,14 @@ def select(
     budget: int,
     scaling: float,
     block_size: int = 1,
+    starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose `budget` entries per (sequence, KV head) that `query` attends to most.
 
     Args:
         query: `(B, H_q, D)`; keys: `(B, H_kv, n, D)` or its chunks; candidates: `(B, n)` bool (see `group_attention_mass`).
         budget: entries per KV head (tokens); block_size: 1 for token-level, else block-level selection.
+        starts: `(B,)` first real position of each sequence, where its blocks begin (`select_blocks`).
 
     Returns:
         `(indices, valid)`, both `(B, H_kv, budget)`: int64 positions sorted ascending, and bool validity.
@@ -166,4 +180,4 @@ def select(
     mass = group_attention_mass(query, keys, candidates, scaling)
     if block_size == 1:
         return select_topk(mass, candidates, budget)
-    return select_blocks(mass, candidates, budget, block_size)
+    return select_blocks(mass, candidates, budget, block_size, starts)

@@ -61,14 +61,16 @@ def test_left_padded_batch_matches_single_prompt():
                        do_sample=False, cache_implementation="dual", cache_config=FULL)[0, 260:])
 
 
-def test_partial_budget_selections_identical_alone_and_in_padded_batch():
+@pytest.mark.parametrize("selector", [{}, {"selector": "block", "block_size": 4}])
+def test_partial_budget_selections_identical_alone_and_in_padded_batch(selector):
     model = tiny_llama(seed=18)
-    short, long = _prompt(19, 100), _prompt(20, 180)
-    batch = torch.cat([torch.cat([torch.zeros(1, 80, dtype=torch.long), short], 1), long])
-    mask = torch.cat([torch.cat([torch.zeros(1, 80), torch.ones(1, 100)], 1), torch.ones(1, 180)]).long()
-    selections = {}
+    short, long = _prompt(19, 100), _prompt(20, 177)
+    batch = torch.cat([torch.cat([torch.zeros(1, 77, dtype=torch.long), short], 1), long])  # 77: not a block multiple
+    mask = torch.cat([torch.cat([torch.zeros(1, 77), torch.ones(1, 100)], 1), torch.ones(1, 177)]).long()
+    selections, tokens = {}, {}
     for key, ids, attn in (("alone", short, None), ("batch", batch, mask)):
-        cache = DualDecoderCache(model.config, budget=12, n_sink=4, window=8, retrieval_threads=1, early_layers=0)
+        cache = DualDecoderCache(model.config, budget=12, n_sink=4, window=8, retrieval_threads=1, early_layers=0,
+                                 **selector)
         recorded = []
         original = cache.layers[1].decode_segments
 
@@ -82,11 +84,12 @@ def test_partial_budget_selections_identical_alone_and_in_padded_batch():
             return segments
 
         cache.layers[1].decode_segments = spy
-        model.generate(ids, attention_mask=attn, max_new_tokens=10, do_sample=False, cache=cache)
+        tokens[key] = model.generate(ids, attention_mask=attn, max_new_tokens=10, do_sample=False, cache=cache)[0, -10:]
         selections[key] = recorded
     assert len(selections["alone"]) == len(selections["batch"]) > 0
     for alone, batched in zip(selections["alone"], selections["batch"]):
-        assert torch.equal(alone + 80, batched)
+        assert torch.equal(alone + 77, batched)
+    assert torch.equal(tokens["alone"], tokens["batch"])
 
 
 def test_sampling_is_reproducible_and_processors_apply():

@@ -139,3 +139,18 @@ def test_quest_pages_match_brute_force_bound(seed):
             expected = {p * page + i for p in best for i in range(page) if p * page + i < 50}
             expected = {i for i in expected if candidates[b, i]}
             assert set(indices[b, h][valid[b, h]].tolist()) == expected
+
+
+def test_block_edges_start_at_each_rows_first_real_token():
+    generator = torch.Generator().manual_seed(31)
+    n, pad, block = 50, 7, 4
+    mass = torch.rand(1, 2, n, generator=generator)
+    candidates = torch.rand(1, n, generator=generator) > 0.2
+    alone = retrieval.select_blocks(mass, candidates, 12, block)
+    # the same row behind `pad` left pads (zero mass, never candidates), blocks starting at the first real token
+    padded_mass = torch.cat([torch.zeros(1, 2, pad), mass], dim=2)
+    padded_candidates = torch.cat([torch.zeros(1, pad, dtype=torch.bool), candidates], dim=1)
+    shifted = retrieval.select_blocks(padded_mass, padded_candidates, 12, block, starts=torch.tensor([pad]))
+    (idx_a, ok_a), (idx_b, ok_b) = alone, shifted
+    assert torch.equal(ok_a, ok_b)
+    assert torch.equal(idx_a[ok_a] + pad, idx_b[ok_b])
