@@ -287,7 +287,14 @@ class DualLayer(CacheLayerMixin):
         """A job filling a staging `Selection` `(B, H_kv, budget[, D])` with the top entries for `query`
         `(B, H_q, D)` among the candidates below `committed - window`, then gathering their K/V from the host."""
         hi = max(0, committed - self.config.window)
-        host_query = query.detach().to("cpu", torch.float32)
+        query_ready = None
+        if query.device.type == "cuda":  # no host sync on the launch thread: the job waits for the copy's event
+            host_query = torch.empty(query.shape, dtype=torch.float32, pin_memory=True)
+            host_query.copy_(query.detach(), non_blocking=True)
+            query_ready = torch.cuda.Event()
+            query_ready.record(torch.cuda.current_stream(query.device))
+        else:
+            host_query = query.detach().to("cpu", torch.float32)
         host = self.host
         candidates = self.state.candidates_below(hi)
         budget, scaling, selector = self.budget, self.scaling, self.config.selector
@@ -299,6 +306,8 @@ class DualLayer(CacheLayerMixin):
             pages = (self.page_min[:, :, :n_pages].cpu(), self.page_max[:, :, :n_pages].cpu())
 
         def job(staging: Selection) -> None:
+            if query_ready is not None:
+                query_ready.synchronize()
             if hi == 0:
                 staging.indices.zero_()
                 staging.valid.zero_()

@@ -47,6 +47,56 @@ def tiny_gemma3(seed: int = 0):
 TINY_MODELS = {"llama": tiny_llama, "qwen2-mqa": tiny_qwen2_mqa, "gemma3": tiny_gemma3}
 
 
+def six_layer_llama(seed: int):
+    """Six full-attention layers (4 query / 2 KV heads, head_dim 16): enough layers for the pipeline's lookahead."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16384, eos_token_id=None, pad_token_id=0,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def record_selections(cache, at: str = "acquire") -> list:
+    """Wrap the cache's schedule (created lazily) so every selection is recorded as `(layer, indices, valid, keys)`
+    clones: at `"acquire"` (what was prefetched) or at `"release"` (what attention read, after any miss repair)."""
+    recorded = []
+    original_ensure = cache._ensure_schedule
+
+    def ensure(device):
+        original_ensure(device)
+        schedule = cache.schedule
+        if getattr(schedule, "_spied", False):
+            return
+
+        def keep(layer_idx, view):
+            recorded.append((layer_idx, view.indices.clone(), view.valid.clone(), view.keys.clone()))
+
+        if at == "acquire":
+            acquire = schedule.acquire
+
+            def spy(layer_idx):
+                view = acquire(layer_idx)
+                keep(layer_idx, view)
+                return view
+
+            schedule.acquire = spy
+        else:
+            release = schedule.release
+
+            def spy(layer_idx):
+                keep(layer_idx, schedule._in_use[layer_idx][2])
+                release(layer_idx)
+
+            schedule.release = spy
+        schedule._spied = True
+
+    cache._ensure_schedule = ensure
+    return recorded
+
+
 @pytest.fixture(scope="session")
 def embedded():
     """(model, tokenizer) of the embedded SmolLM2-135M-Instruct, loaded once per session."""

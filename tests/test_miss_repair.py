@@ -3,45 +3,12 @@ query. Reference: the `"oracle"` selector, which always selects with the real to
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from dual_cache import DualDecoderCache, DualDecoderConfig
 from dual_cache.schedule import Selection, TransferSchedule
+from tests.conftest import record_selections, six_layer_llama
 
 NEVER = 95  # a token id the tests forbid the model to emit; the speculator always proposes it
-
-
-def six_layer_llama(seed: int):
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=4096, eos_token_id=None, pad_token_id=0,
-    )
-    return LlamaForCausalLM(config).eval()
-
-
-def _record_used_selections(cache: DualDecoderCache) -> list:
-    """Record the selection each layer's attention actually reads (after any repair), at `release`."""
-    recorded = []
-    original_ensure = cache._ensure_schedule
-
-    def ensure(device):
-        original_ensure(device)
-        schedule = cache.schedule
-        if getattr(schedule, "_spied", False):
-            return
-        release = schedule.release
-
-        def spy(layer_idx):
-            view = schedule._in_use[layer_idx][2]
-            recorded.append((layer_idx, view.indices.clone(), view.valid.clone(), view.keys.clone()))
-            release(layer_idx)
-
-        schedule.release = spy
-        schedule._spied = True
-
-    cache._ensure_schedule = ensure
-    return recorded
 
 
 @pytest.fixture
@@ -62,7 +29,7 @@ def test_repair_on_every_step_reproduces_the_oracle_selector(always_miss, thread
     runs = {}
     for name, options in (("repair", {}), ("oracle", {"selector": "oracle"})):
         cache = DualDecoderCache(model.config, **base, **options)
-        recorded = _record_used_selections(cache)
+        recorded = record_selections(cache, at="release")
         runs[name] = (model.generate(ids, cache=cache, **kwargs), recorded, cache.stats())
     (repair_ids, repair_sel, stats), (oracle_ids, oracle_sel, _) = runs["repair"], runs["oracle"]
     assert torch.equal(repair_ids, oracle_ids)

@@ -9,48 +9,16 @@ import time
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from dual_cache import DualDecoderCache, HostMemoryError, retrieval
 from dual_cache.host_store import live_host_bytes
-
-
-def six_layer_llama(seed: int):
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=16384, eos_token_id=None, pad_token_id=0,
-    )
-    return LlamaForCausalLM(config).eval()
+from tests.conftest import record_selections, six_layer_llama
 
 
 def _prompt(seed: int, length: int, batch: int = 1) -> torch.Tensor:
     return torch.randint(3, 96, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def _record_selections(cache: DualDecoderCache) -> list:
-    """Wrap the cache's schedule (created lazily) so every acquired selection is recorded."""
-    recorded = []
-    original_ensure = cache._ensure_schedule
-
-    def ensure(device):
-        original_ensure(device)
-        schedule = cache.schedule
-        if getattr(schedule, "_spied", False):
-            return
-        acquire = schedule.acquire
-
-        def spy(layer_idx):
-            view = acquire(layer_idx)
-            recorded.append((layer_idx, view.indices.clone(), view.valid.clone(), view.keys.clone()))
-            return view
-
-        schedule.acquire = spy
-        schedule._spied = True
-
-    cache._ensure_schedule = ensure
-    return recorded
 
 
 @pytest.fixture
@@ -78,7 +46,7 @@ def test_pipeline_equals_synchronous_reference(delayed_retrieval, layers_in_flig
         ("pipelined", {"retrieval_threads": 1, "layers_in_flight": layers_in_flight, "lookahead": lookahead}),
     ):
         cache = DualDecoderCache(model.config, **base, **options)
-        recorded = _record_selections(cache)
+        recorded = record_selections(cache)
         tokens = model.generate(ids, max_new_tokens=12, do_sample=False, cache=cache)
         runs[name] = (tokens, recorded, cache.stats())
     (sync_tokens, sync_sel, _), (pipe_tokens, pipe_sel, pipe_stats) = runs["sync"], runs["pipelined"]
