@@ -15,6 +15,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .cache import DualLayer
+from .config import PREFETCHED_SELECTORS
 from .kernels import sparse_decode_attention
 
 ATTENTION_NAME = "dual"
@@ -75,7 +76,7 @@ def dual_attention(
     query_positions = torch.arange(n - q_len, n, device=query.device)
     out = sparse_decode_attention(query, segments, query_positions, scaling, backend=layer.config.attention_kernel)
     layer.release()
-    if layer.config.selector in ("exact", "block"):
+    if layer.config.selector in PREFETCHED_SELECTORS:
         layer.submit_selection(query[:, :, -1], committed=n - q_len + 1)
     return out.transpose(1, 2).contiguous(), None
 

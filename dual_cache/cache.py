@@ -18,10 +18,11 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from . import retrieval
-from .config import DualDecoderConfig
+from .config import PREFETCHED_SELECTORS, DualDecoderConfig
 from .host_store import HostKVStore
 from .kernels import KVSegment
 from .schedule import Selection, TransferSchedule
+from .shortlist import select_shortlisted
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -119,7 +120,7 @@ class DualLayer(CacheLayerMixin):
         self.sink_keys = self.sink_values = self.sink_pos = self.sink_valid = self.sink_last = None
         self.ring_keys = self.ring_values = None
         self.ring_size = config.window + 2
-        self.page_min = self.page_max = None
+        self.page_min = self.page_max = None  # Quest page metadata (device)
 
     @property
     def schedule(self) -> TransferSchedule:
@@ -134,6 +135,7 @@ class DualLayer(CacheLayerMixin):
         self.host = HostKVStore(
             batch, kv_heads, dim, key_states.dtype, self.config.host_chunk_tokens,
             page_lock=key_states.device.type == "cuda", on_alloc=self.owner.claim_host_bytes,
+            channel_major=self.config.selector == "shortlist",
         )
         self.is_initialized = True
 
@@ -240,7 +242,7 @@ class DualLayer(CacheLayerMixin):
             page_min, page_max = retrieval.page_bounds(keys, self.config.block_size)
             self.page_min, self.page_max = page_min.to(self.device), page_max.to(self.device)
         self.decoding = True
-        if self.config.selector in ("exact", "block"):
+        if self.config.selector in PREFETCHED_SELECTORS:
             self.submit_selection(self.last_query, committed=n)
         self.last_query = None
 
@@ -301,6 +303,7 @@ class DualLayer(CacheLayerMixin):
         block = self.config.block_size if selector == "block" else 1
         starts = self.state.first_real if selector == "block" else None  # left padding never moves block edges
         pages = None
+        channels, keep = self.config.shortlist_channels_for(host.head_dim), self.config.shortlist_factor * budget
         if selector == "quest" and hi > 0:
             n_pages = -(-hi // self.config.block_size)
             pages = (self.page_min[:, :, :n_pages].cpu(), self.page_max[:, :, :n_pages].cpu())
@@ -317,6 +320,10 @@ class DualLayer(CacheLayerMixin):
                 if pages is not None:
                     indices, valid = retrieval.select_pages(
                         host_query, *pages, candidates, budget, self.config.block_size
+                    )
+                elif selector == "shortlist":
+                    indices, valid = select_shortlisted(
+                        host_query, host, candidates, hi, budget, channels, keep, scaling
                     )
                 else:
                     indices, valid = retrieval.select(
@@ -348,8 +355,10 @@ class DualLayer(CacheLayerMixin):
                 self.submit_selection(query[:, :, 0], committed=n - q)
             selection = self.schedule.acquire(self.layer_idx)
             repair = self.owner.repair_rows
-            every_candidate_fits = self.config.selector == "exact" and n - q - self.config.window <= self.budget
-            if repair is not None and self.config.selector in ("exact", "block") and not every_candidate_fits:
+            every_candidate_fits = (
+                self.config.selector in ("exact", "shortlist") and n - q - self.config.window <= self.budget
+            )
+            if repair is not None and self.config.selector in PREFETCHED_SELECTORS and not every_candidate_fits:
                 self.repair_selection(query[:, :, 0], n - q, repair)  # (when all fit, any query selects them all)
             segments.append(KVSegment(selection.keys, selection.values, selection.indices, selection.valid))
         ring_pos, ring_valid = self.state.ring_view(n, q, self.config.window, self.ring_size, self.sink_last)
@@ -369,6 +378,7 @@ class DualLayer(CacheLayerMixin):
 
     @property
     def host_bytes(self) -> int:
+        """Host bytes of this layer's store (with `selector="shortlist"`, its channel-major keys included)."""
         return 0 if self.host is None else self.host.nbytes
 
     def dense_bytes(self) -> int:
@@ -499,7 +509,8 @@ class DualDecoderCache(Cache):
         (rounded up to whole chunks)."""
         chunk = self.dual_config.host_chunk_tokens
         per_chunk = HostKVStore.chunk_nbytes(
-            batch_size, kv_heads or self.kv_heads, head_dim or self.head_dim, dtype, chunk
+            batch_size, kv_heads or self.kv_heads, head_dim or self.head_dim, dtype, chunk,
+            channel_major=self.dual_config.selector == "shortlist",
         )
         return len(self.dual_layers) * per_chunk * -(-tokens // chunk)
 

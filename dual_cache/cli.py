@@ -94,7 +94,7 @@ def stats_line(info: dict) -> str:
 def _dual_config(args) -> DualDecoderConfig:
     return DualDecoderConfig(
         budget=args.budget, n_sink=args.n_sink, window=args.window, speculator=args.speculator,
-        miss_repair=not args.no_miss_repair, prefill_progress=True,
+        miss_repair=not args.no_miss_repair, selector=args.selector, prefill_progress=True,
     )
 
 
@@ -149,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--n-sink", type=int, default=4, help="sink tokens kept on the device")
         p.add_argument("--window", type=int, default=64, help="local window kept on the device (tokens)")
         p.add_argument("--speculator", default="self", choices=["self", "ngram", "none"])
+        p.add_argument("--selector", default="exact", choices=["exact", "shortlist"],
+                       help="host selection: exact top-k over every key, or among pages shortlisted by key bounds")
         p.add_argument("--no-miss-repair", action="store_true",
                        help="keep a mis-speculated step's prefetched entries (no synchronous re-selection)")
         p.add_argument("--max-new-tokens", type=int, default=32)

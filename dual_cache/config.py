@@ -11,7 +11,8 @@ import torch
 from .kernels import BACKENDS as ATTENTION_KERNELS
 
 SPECULATORS = ("self", "ngram", "none")
-SELECTORS = ("exact", "block", "oracle", "quest")
+SELECTORS = ("exact", "block", "shortlist", "oracle", "quest")
+PREFETCHED_SELECTORS = ("exact", "block", "shortlist")  # chosen on the host one step ahead, by the speculated token
 
 
 @dataclass
@@ -44,12 +45,19 @@ class DualDecoderConfig:
             again with the real token's own query, synchronously, layer by layer (only for the sequences that
             missed, and only in layers whose candidates outnumber their budget). Restores exact-top-k quality on miss steps at the cost of a host retrieval
             on the critical path of those steps; False keeps the step fully pipelined (the paper's method).
-            Applies to the `"self"` and `"ngram"` speculators with the `"exact"` and `"block"` selectors.
-        selector: `"exact"` top-k over host keys, `"block"` block-level top-k, `"oracle"` selects with the
+            Applies to the `"self"` and `"ngram"` speculators with the host selectors (`PREFETCHED_SELECTORS`).
+        selector: `"exact"` top-k over host keys, `"block"` block-level top-k, `"shortlist"` exact top-k among
+            a shortlist of positions ranked by approximate scores over a few key channels (SparQ-style), reading
+            ~`shortlist_channels / D` of the key bytes instead of all of them (`dual_cache.shortlist`; the host
+            store keeps a channel-major copy of the keys, +50% host bytes), `"oracle"` selects with the
             real token's own query synchronously at the step that uses it (evaluation upper bound only),
             `"quest"` the Quest baseline (Tang et al., 2024): pages of `block_size` tokens ranked by a min/max
             key bound against the real token's query at the step that uses it; its page metadata counts as
             device bytes (evaluation baseline).
+        shortlist_channels: `selector="shortlist"`: query channels scored per KV head in the first stage; None =
+            `head_dim // 8` (values above `head_dim` act as `head_dim`).
+        shortlist_factor: `selector="shortlist"` keeps `shortlist_factor × budget` positions per KV head for the
+            exact second stage.
         retrieval_threads: host threads running retrieval ahead of the compute; 0 runs retrieval
             synchronously on the calling thread (the reference path; identical tokens); None picks 1 when the
             model runs on CUDA and 0 on CPU (where the thread only competes with the compute for cores).
@@ -80,6 +88,8 @@ class DualDecoderConfig:
     speculator: str = "self"
     miss_repair: bool = True
     selector: str = "exact"
+    shortlist_channels: int | None = None
+    shortlist_factor: int = 8
     retrieval_threads: int | None = None
     prefill_chunk_size: int = 8192
     ngram_size: int = 3
@@ -123,6 +133,10 @@ class DualDecoderConfig:
             return max(self.budget, self.early_layer_budget)
         return self.budget
 
+    def shortlist_channels_for(self, head_dim: int) -> int:
+        """Query channels the `"shortlist"` selector scores per KV head for heads of `head_dim`."""
+        return self.shortlist_channels if self.shortlist_channels is not None else max(1, head_dim // 8)
+
     def threads_for(self, device: torch.device) -> int:
         """Retrieval threads to use for a model on `device` (resolves `retrieval_threads=None`)."""
         if self.retrieval_threads is None:
@@ -148,6 +162,9 @@ class DualDecoderConfig:
         if self.retrieval_threads is not None:
             _int("retrieval_threads", self.retrieval_threads, 0)
         _int("prefill_chunk_size", self.prefill_chunk_size, 1)
+        if self.shortlist_channels is not None:
+            _int("shortlist_channels", self.shortlist_channels, 1)
+        _int("shortlist_factor", self.shortlist_factor, 1)
         _int("ngram_size", self.ngram_size, 1)
         _int("lookahead", self.lookahead, 0)
         _int("host_chunk_tokens", self.host_chunk_tokens, 1)

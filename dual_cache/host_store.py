@@ -38,7 +38,7 @@ def _register(tensor: torch.Tensor) -> None:
         raise RuntimeError(f"cudaHostRegister failed with CUDA error {int(result)}.")
 
 
-def _release(chunks: list[tuple[torch.Tensor, torch.Tensor]], registered: bool) -> None:
+def _release(chunks: list[tuple[torch.Tensor, torch.Tensor]], registered: bool, channel_chunks: list[torch.Tensor]) -> None:
     """Unregister (if registered) and drop every chunk; runs once, from `free()` or when the store is collected."""
     freed = 0
     for keys, values in chunks:
@@ -46,7 +46,9 @@ def _release(chunks: list[tuple[torch.Tensor, torch.Tensor]], registered: bool) 
             if registered:
                 torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
             freed += tensor.untyped_storage().nbytes()
+    freed += sum(tensor.untyped_storage().nbytes() for tensor in channel_chunks)
     chunks.clear()
+    channel_chunks.clear()
     _account(-freed)
 
 
@@ -62,6 +64,9 @@ class HostKVStore:
         page_lock: register chunks with CUDA (only when CUDA is available).
         on_alloc: called with the byte size of each chunk (keys + values) before it is allocated; may raise to
             refuse it (the cache's host-memory limit).
+        channel_major: also keep a channel-major copy of the keys, `(B, H_kv, D, chunk_tokens)` per chunk, for
+            reading a few channels of every key (`channel_products`; the `"shortlist"` selector). It is filled lazily
+            from the keys, on the thread that reads it, and counted in every byte figure (never page-locked).
 
     Raises:
         ValueError: if a size argument is not positive.
@@ -76,6 +81,7 @@ class HostKVStore:
         chunk_tokens: int,
         page_lock: bool = False,
         on_alloc: Callable[[int], None] | None = None,
+        channel_major: bool = False,
     ) -> None:
         if min(batch_size, kv_heads, head_dim, chunk_tokens) <= 0:
             raise ValueError(
@@ -88,15 +94,20 @@ class HostKVStore:
         self.chunk_tokens = chunk_tokens
         self.page_lock = page_lock and torch.cuda.is_available()
         self.on_alloc = on_alloc
+        self.channel_major = channel_major
         self.length = 0
+        self.channel_length = 0  # positions copied into the channel-major keys so far
         self._written: torch.cuda.Event | None = None
         self._chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._finalizer = weakref.finalize(self, _release, self._chunks, self.page_lock)
+        self._channel_chunks: list[torch.Tensor] = []
+        self._finalizer = weakref.finalize(self, _release, self._chunks, self.page_lock, self._channel_chunks)
 
     @staticmethod
-    def chunk_nbytes(batch_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, chunk_tokens: int) -> int:
-        """Bytes of one chunk (keys + values)."""
-        return 2 * batch_size * kv_heads * chunk_tokens * head_dim * torch.empty((), dtype=dtype).element_size()
+    def chunk_nbytes(batch_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, chunk_tokens: int,
+                     channel_major: bool = False) -> int:
+        """Bytes of one chunk (keys + values, and the channel-major keys when kept)."""
+        copies = 3 if channel_major else 2
+        return copies * batch_size * kv_heads * chunk_tokens * head_dim * torch.empty((), dtype=dtype).element_size()
 
     @property
     def capacity(self) -> int:
@@ -105,18 +116,20 @@ class HostKVStore:
 
     @property
     def nbytes(self) -> int:
-        """Allocated host bytes for keys and values together."""
-        return sum(k.nbytes + v.nbytes for k, v in self._chunks)
+        """Allocated host bytes: keys, values and the channel-major keys."""
+        return sum(k.nbytes + v.nbytes for k, v in self._chunks) + sum(c.nbytes for c in self._channel_chunks)
 
     def _grow(self) -> None:
         if self._finalizer.alive is False:
             raise RuntimeError("This HostKVStore was freed; create a new cache to store more tokens.")
         shape = (*self.shape_prefix, self.chunk_tokens, self.head_dim)
-        nbytes = self.chunk_nbytes(*self.shape_prefix, self.head_dim, self.dtype, self.chunk_tokens)
+        nbytes = self.chunk_nbytes(*self.shape_prefix, self.head_dim, self.dtype, self.chunk_tokens, self.channel_major)
         if self.on_alloc is not None:
             self.on_alloc(nbytes)
         keys = torch.empty(shape, dtype=self.dtype)
         values = torch.empty(shape, dtype=self.dtype)
+        channels = torch.empty(*self.shape_prefix, self.head_dim, self.chunk_tokens, dtype=self.dtype) \
+            if self.channel_major else None
         registered = []
         try:
             if self.page_lock:
@@ -127,8 +140,10 @@ class HostKVStore:
             for tensor in registered:
                 torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
             raise
-        _account(keys.untyped_storage().nbytes() + values.untyped_storage().nbytes())
+        _account(nbytes)
         self._chunks.append((keys, values))
+        if channels is not None:
+            self._channel_chunks.append(channels)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append `(B, H_kv, q, D)` keys/values (any device) at positions `[length, length + q)`."""
@@ -159,6 +174,43 @@ class HostKVStore:
         if not 0 <= n_tokens <= self.length:
             raise ValueError(f"Cannot crop {n_tokens} tokens from a store holding {self.length}.")
         self.length -= n_tokens
+        self.channel_length = min(self.channel_length, self.length)
+
+    def channel_products(self, left: torch.Tensor, channels: torch.Tensor, hi: int) -> torch.Tensor:
+        """`left @ keys[..., channels]ᵀ` over positions `[0, hi)`, reading only those channels of the keys from the
+        channel-major copy (filled up to `hi` first).
+
+        Args:
+            left: `(B, H_kv, G, r)` in the store's dtype (e.g. the query's values at those channels).
+            channels: `(B, H_kv, r)` int64 channel indices in `[0, D)`, per sequence and KV head.
+            hi: positions read, `<= length`.
+
+        Returns:
+            `(B, H_kv, G, hi)` float32. Per chunk, the `r` channel rows are copied whole with `index_select` into
+            one reused buffer, then multiplied.
+
+        Raises:
+            RuntimeError: if the store was built without `channel_major=True`.
+        """
+        if not self.channel_major:
+            raise RuntimeError("This HostKVStore keeps no channel-major keys; build it with channel_major=True.")
+        while self.channel_length < hi:  # transpose the keys appended since the last read, chunk by chunk
+            chunk, offset = divmod(self.channel_length, self.chunk_tokens)
+            take = min(hi - self.channel_length, self.chunk_tokens - offset)
+            keys = self._chunks[chunk][0][:, :, offset : offset + take]
+            self._channel_chunks[chunk][:, :, :, offset : offset + take].copy_(keys.transpose(-1, -2))
+            self.channel_length += take
+        batch, kv_heads, r = channels.shape
+        rows = (torch.arange(batch * kv_heads).view(batch, kv_heads, 1) * self.head_dim + channels).flatten()
+        out = torch.empty(*left.shape[:-1], hi, dtype=torch.float32)
+        scratch = torch.empty(rows.numel(), self.chunk_tokens, dtype=self.dtype)  # reused: no per-chunk allocation
+        for start in range(0, hi, self.chunk_tokens):
+            width = min(self.chunk_tokens, hi - start)
+            source = self._channel_chunks[start // self.chunk_tokens].view(-1, self.chunk_tokens)
+            torch.index_select(source, 0, rows, out=scratch)
+            part = scratch.view(batch, kv_heads, r, self.chunk_tokens)[..., :width]
+            out[..., start : start + width].copy_(torch.matmul(left, part))
+        return out
 
     def key_chunks(self, hi: int) -> list[torch.Tensor]:
         """Views of the keys of positions `[0, hi)`, one `(B, H_kv, n_i, D)` view per chunk (no copy)."""
@@ -194,24 +246,36 @@ class HostKVStore:
         Returns:
             `(keys, values)`, each `(B, H_kv, k, D)`.
         """
+        out_keys, out_values = out if out is not None else (None, None)
+        return self._gather(0, indices, out_keys), self._gather(1, indices, out_values)
+
+    def gather_keys(self, indices: torch.Tensor) -> torch.Tensor:
+        """Keys only at `indices` (B, H_kv, k) int64 positions `< length`: a new `(B, H_kv, k, D)` tensor."""
+        return self._gather(0, indices, None)
+
+    def _gather(self, which: int, indices: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """Rows of keys (`which=0`) or values (1) at `indices`, copied whole (`D` contiguous elements each) with
+        `index_select` from each chunk viewed as `(B·H_kv·chunk_tokens, D)`."""
         shape = (*indices.shape, self.head_dim)
-        out_keys, out_values = out if out is not None else (
-            torch.empty(shape, dtype=self.dtype), torch.empty(shape, dtype=self.dtype)
-        )
+        target = out if out is not None and out.is_contiguous() else torch.empty(shape, dtype=self.dtype)
+        flat_out = target.view(-1, self.head_dim)
+        batch, kv_heads = self.shape_prefix
         chunk_ids = indices // self.chunk_tokens
-        offsets = indices - chunk_ids * self.chunk_tokens
-        index = offsets.unsqueeze(-1).expand(shape)
+        base = torch.arange(batch * kv_heads).view(batch, kv_heads, 1) * self.chunk_tokens
+        rows = (base + indices - chunk_ids * self.chunk_tokens).flatten()
+        chunk_ids = chunk_ids.flatten()
         used = range(int(chunk_ids.min()), int(chunk_ids.max()) + 1) if indices.numel() else range(0)
-        for i, chunk in enumerate(used):
-            chunk_keys, chunk_values = self._chunks[chunk]
-            if i == 0:
-                torch.gather(chunk_keys, 2, index, out=out_keys)
-                torch.gather(chunk_values, 2, index, out=out_values)
+        for chunk in used:
+            source = self._chunks[chunk][which].view(-1, self.head_dim)
+            if len(used) == 1:
+                torch.index_select(source, 0, rows, out=flat_out)
             else:
-                inside = (chunk_ids == chunk).unsqueeze(-1)
-                torch.where(inside, torch.gather(chunk_keys, 2, index), out_keys, out=out_keys)
-                torch.where(inside, torch.gather(chunk_values, 2, index), out_values, out=out_values)
-        return out_keys, out_values
+                inside = (chunk_ids == chunk).nonzero().flatten()
+                flat_out.index_copy_(0, inside, source.index_select(0, rows[inside]))
+        if out is not None and target is not out:
+            out.copy_(target)
+            return out
+        return target
 
     def free(self) -> None:
         """Release every chunk now (unregistering page-locked memory). Idempotent; `length` is kept."""

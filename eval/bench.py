@@ -58,9 +58,10 @@ from .cpu_linear import gemm_linears
 NAN = float("nan")
 DUAL_METHODS = tuple(f"dual-{s}" for s in SPECULATORS)  # dual-self, dual-ngram, dual-none
 BASELINES = ("dense", "offloaded")
-ALL_METHODS = BASELINES + DUAL_METHODS + ("quest",)
+SHORTLIST = "dual-shortlist"  # dual-self with the two-stage host selector (`selector="shortlist"`)
+ALL_METHODS = BASELINES + DUAL_METHODS + (SHORTLIST, "quest")
 METHOD_ALIASES = {"dual": DUAL_METHODS, "all": ALL_METHODS}
-BUDGETED = DUAL_METHODS + ("quest",)  # methods whose cells vary with the retrieval budget
+BUDGETED = DUAL_METHODS + (SHORTLIST, "quest")  # methods whose cells vary with the retrieval budget
 NAMED_MODELS = ("embedded", "tiny", "llama8b")
 CPU_LINEARS = ("stock", "gemm")  # see eval/cpu_linear.py
 GIB = 1024 ** 3
@@ -84,7 +85,8 @@ class BenchGrid:
     """What to measure. Token counts are tokens; `budgets` are tokens per KV head per full-attention layer.
 
     Attributes:
-        methods: names from `ALL_METHODS` or the aliases `"dual"` (every speculator) and `"all"`.
+        methods: names from `ALL_METHODS` (`dual-<speculator>`: exact selection; `dual-shortlist`: the self
+            speculator with `selector="shortlist"`) or the aliases `"dual"` (every speculator) and `"all"`.
         batches: sequences per `generate()` call.
         contexts: prompt lengths (tokens; the embedded model's needle prompts meet them within a few tokens).
         budgets: dual / quest retrieval budgets; dense and offloaded cells ignore them.
@@ -95,7 +97,8 @@ class BenchGrid:
         quest_block_size: page size of the Quest baseline (tokens).
         do_sample: sample at temperature 1 instead of greedy decoding (speculation hits drop).
         dual_options: further `DualDecoderConfig` fields for dual / quest cells (e.g. `{"early_layers": 0}`);
-            `speculator` and `selector` are set by the method and may not appear here.
+            `speculator` and `selector` are set by the method and may not appear here (`shortlist_factor` and
+            `shortlist_page_size` may).
     """
 
     methods: tuple[str, ...] = ("dense", "dual-self")
@@ -171,6 +174,8 @@ class BenchGrid:
         }
         if method == "quest":  # Quest decodes one token per step and selects with its own query
             config.update(selector="quest", block_size=self.quest_block_size, speculator="none")
+        elif method == SHORTLIST:
+            config.update(selector="shortlist", speculator="self")
         else:
             config["speculator"] = method.removeprefix("dual-")
         return config

@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
 
 from .needle import format_chat, make_needle_prompt
+from .outputs import write_rows_and_table
 
 METHODS = {
     "dense": None,
     "dual": {},
     "dual-no-repair": {"miss_repair": False},
     "dual-none": {"speculator": "none"},
+    "dual-shortlist": {"selector": "shortlist"},
     "oracle": {"selector": "oracle"},
 }
 
@@ -104,11 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(rows, args.methods, args.tokens, args.budget)
     print(table)
     if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out + ".jsonl", "w", encoding="utf-8") as handle:
-            handle.writelines(json.dumps(row) + "\n" for row in rows)
-        with open(args.out + ".md", "w", encoding="utf-8") as handle:
-            handle.write(table)
+        write_rows_and_table(args.out, rows, table, jsonl=True)
     return 0
 
 

@@ -44,7 +44,7 @@ def result(model):
 
 
 def test_end_to_end_every_column(result, tmp_path):
-    methods = {"dense", "dual-self", "dual-ngram", "dual-none", "quest"}
+    methods = {"dense", "dual-self", "dual-ngram", "dual-none", "dual-shortlist", "quest"}
     assert {row["method"] for row in result.cells} == methods
     assert len(result.cells) == len(methods) * 2 * 2  # × batches × contexts (one budget)
     assert "offloaded" in result.meta["skipped"]  # CUDA only
@@ -57,7 +57,7 @@ def test_end_to_end_every_column(result, tmp_path):
             assert math.isfinite(row[column]), (row["method"], column)
         assert row["decode_steps"] == 4  # new_tokens - 1 forwards after the prefill
         assert math.isnan(row["cuda_peak_bytes_per_request"])  # CPU
-        if row["method"] in ("dual-self", "dual-ngram"):
+        if row["method"] in ("dual-self", "dual-ngram", "dual-shortlist"):
             assert 0 <= row["spec_hit_rate"] <= 1
         if row["method"] in ("dense", "dual-none"):
             assert math.isnan(row["spec_hit_rate"])

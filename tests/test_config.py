@@ -22,6 +22,8 @@ def test_defaults_are_valid():
         ({"max_host_bytes": 0}, "max_host_bytes"),
         ({"selector": "block", "block_size": 16, "budget": 100}, "multiple of `block_size`"),
         ({"layers_in_flight": 0}, "layers_in_flight"),
+        ({"selector": "shortlist", "shortlist_channels": 0}, "shortlist_channels"),
+        ({"selector": "shortlist", "shortlist_factor": 1.5}, "shortlist_factor"),
         ({"retrieval_threads": 4}, "retrieval_threads"),
         ({"layer_budgets": {0: -5}}, "layer_budgets"),
         ({"bugdet": 3}, "Unknown dual cache option"),

@@ -61,7 +61,10 @@ def test_left_padded_batch_matches_single_prompt():
                        do_sample=False, cache_implementation="dual", cache_config=FULL)[0, 260:])
 
 
-@pytest.mark.parametrize("selector", [{}, {"selector": "block", "block_size": 4}])
+@pytest.mark.parametrize("selector", [
+    {}, {"selector": "block", "block_size": 4},
+    {"selector": "shortlist", "shortlist_channels": 4, "shortlist_factor": 2},
+])
 def test_partial_budget_selections_identical_alone_and_in_padded_batch(selector):
     model = tiny_llama(seed=18)
     short, long = _prompt(19, 100), _prompt(20, 177)
