@@ -94,7 +94,8 @@ def stats_line(info: dict) -> str:
 def _dual_config(args) -> DualDecoderConfig:
     return DualDecoderConfig(
         budget=args.budget, n_sink=args.n_sink, window=args.window, speculator=args.speculator,
-        miss_repair=not args.no_miss_repair, selector=args.selector, prefill_progress=True,
+        miss_repair=not args.no_miss_repair, selector=args.selector, shortlist_channels=args.shortlist_channels,
+        shortlist_factor=args.shortlist_factor, prefill_progress=True,
     )
 
 
@@ -150,7 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--window", type=int, default=64, help="local window kept on the device (tokens)")
         p.add_argument("--speculator", default="self", choices=["self", "ngram", "none"])
         p.add_argument("--selector", default="exact", choices=["exact", "shortlist"],
-                       help="host selection: exact top-k over every key, or among pages shortlisted by key bounds")
+                       help="host selection: exact top-k over every key, or exact top-k among positions shortlisted "
+                            "by a few key channels (long contexts)")
+        p.add_argument("--shortlist-channels", type=int, default=None,
+                       help="shortlist: query channels scored per KV head (default head_dim / 8)")
+        p.add_argument("--shortlist-factor", type=int, default=8,
+                       help="shortlist: positions kept per KV head, as a multiple of the budget")
         p.add_argument("--no-miss-repair", action="store_true",
                        help="keep a mis-speculated step's prefetched entries (no synchronous re-selection)")
         p.add_argument("--max-new-tokens", type=int, default=32)

@@ -55,7 +55,7 @@ class DualDecoderConfig:
             key bound against the real token's query at the step that uses it; its page metadata counts as
             device bytes (evaluation baseline).
         shortlist_channels: `selector="shortlist"`: query channels scored per KV head in the first stage; None =
-            `head_dim // 8` (values above `head_dim` act as `head_dim`).
+            `max(1, head_dim // 8)` (values above `head_dim` act as `head_dim`).
         shortlist_factor: `selector="shortlist"` keeps `shortlist_factor × budget` positions per KV head for the
             exact second stage.
         retrieval_threads: host threads running retrieval ahead of the compute; 0 runs retrieval

@@ -186,14 +186,17 @@ class HostKVStore:
             hi: positions read, `<= length`.
 
         Returns:
-            `(B, H_kv, G, hi)` float32. Per chunk, the `r` channel rows are copied whole with `index_select` into
-            one reused buffer, then multiplied.
+            `(B, H_kv, G, hi)` float32 (products computed in the store's dtype). Per chunk, the `r` channel rows are
+            copied whole with `index_select` into one reused buffer, then multiplied.
 
         Raises:
             RuntimeError: if the store was built without `channel_major=True`.
+            ValueError: if `hi` is outside `[0, length]`.
         """
         if not self.channel_major:
             raise RuntimeError("This HostKVStore keeps no channel-major keys; build it with channel_major=True.")
+        if not 0 <= hi <= self.length:
+            raise ValueError(f"Cannot read positions [0, {hi}) from a store holding {self.length}.")
         while self.channel_length < hi:  # transpose the keys appended since the last read, chunk by chunk
             chunk, offset = divmod(self.channel_length, self.chunk_tokens)
             take = min(hi - self.channel_length, self.chunk_tokens - offset)

@@ -9,8 +9,11 @@ step for a Llama-3.1-8B-shaped model at 32K tokens in bf16, which bounded decode
    (`HostKVStore.channel_products`, `r / D` of the key bytes); `q̄_r` is the group's mean partial query, each
    head scaled by the softmax temperature correction `sqrt(‖q‖₁ / ‖q_r‖₁)` of SparQ attention (Ribar et al., 2023,
    §3); the `keep` best-scoring positions are the shortlist;
-2. exact: the exact criterion of `retrieval.select` — softmax attention mass summed over the group — over the
-   shortlisted positions only, top-`budget`.
+2. exact scores: the criterion of `retrieval.select` — softmax attention mass summed over the group — with exact
+   logits, over the shortlisted positions only, top-`budget`. Each query head's softmax is normalised over the
+   shortlist, not over every candidate; with GQA (G > 1) the ranking can therefore differ from the exact top-k
+   even when the shortlist holds all of it (each head's missing mass shifts its weight in the sum). The recall
+   figures below include this effect.
 
 When `keep` covers every scored position, the result is the exact selection, and `select_shortlisted` calls
 `retrieval.select` directly (the early layers' larger budgets, short contexts).
@@ -34,7 +37,8 @@ def shortlist_positions(
     The score of position `p` is `q̄_r · k_r[p]`: `r` channels chosen by |q| summed over the GQA group, and `q̄_r` the
     group's mean of those channels with each head scaled by SparQ's temperature `sqrt(‖q‖₁ / ‖q_r‖₁)`. One score
     row per KV head (not one per query head): ranking needs no softmax, and measured on the embedded model it keeps
-    the same share of the exact mass as the group's summed approximate softmax (99.8% at 8K).
+    the same share of the exact mass as the group's summed approximate softmax (99.8% at 8K). With bf16 keys the
+    scores are bf16 products (ties at the shortlist's edge are broken arbitrarily).
 
     Args:
         query: `(B, H_q, D)` float32 (after RoPE); `H_q` a multiple of the store's `H_kv`.
@@ -81,8 +85,8 @@ def select_shortlisted(
         budget: entries per KV head (tokens); channels, keep: see `shortlist_positions`; scaling: softmax scale.
 
     Returns:
-        `(indices, valid)`, both `(B, H_kv, budget)`: int64 positions sorted ascending (invalid slots hold 0) and
-        bool validity — the contract of `retrieval.select`.
+        `(indices, valid)`, both `(B, H_kv, budget)`: int64 positions, the valid ones in ascending order, and bool
+        validity; invalid slots hold arbitrary in-range positions — the contract of `retrieval.select`.
     """
     if keep >= hi:  # every position would be shortlisted: the exact selection, without the approximate stage
         return select(query, host.key_chunks(hi), candidates, budget, scaling)

@@ -97,8 +97,8 @@ class BenchGrid:
         quest_block_size: page size of the Quest baseline (tokens).
         do_sample: sample at temperature 1 instead of greedy decoding (speculation hits drop).
         dual_options: further `DualDecoderConfig` fields for dual / quest cells (e.g. `{"early_layers": 0}`);
-            `speculator` and `selector` are set by the method and may not appear here (`shortlist_factor` and
-            `shortlist_page_size` may).
+            `speculator` and `selector` are set by the method and may not appear here (`shortlist_channels` and
+            `shortlist_factor` may).
     """
 
     methods: tuple[str, ...] = ("dense", "dual-self")

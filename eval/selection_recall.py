@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     dim = layers[0][1].shape[-1]
     for (channels, factor), parts in values.items():
         r = torch.cat(parts)
-        read = min(channels, dim) / dim + min(factor * args.budget, n) / n
+        keep = factor * args.budget
+        read = min(channels, dim) / dim + keep / n if keep < n - window else 1.0  # else: the exact selection
         rows.append({"channels": channels, "head_dim": dim, "factor": factor, "mean": r.mean().item(),
                      "p10": r.quantile(0.1).item(), "min": r.min().item(), "keys_read": read, "samples": r.numel()})
     lines = [f"Recall of the exact top-{args.budget} attention mass by the shortlist selection; embedded SmolLM2-135M,"

@@ -23,7 +23,19 @@ def test_runs_and_writes_every_column(tmp_path, capsys):
     assert "exact / this" in out.with_suffix(".md").read_text()
 
 
+def test_shortlist_covering_every_position_is_reported_as_the_exact_path(tmp_path):
+    out = tmp_path / "host"
+    assert bench_retrieval.main(["--contexts", "700", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+                                 "--layers", "1", "--repeats", "1", "--budget", "32", "--factor", "100",
+                                 "--dtype", "fp32", "--out", str(out)]) == 0
+    exact, shortlist = json.loads(out.with_suffix(".json").read_text())
+    assert not shortlist["two_stage"] and shortlist["key_mib_read_per_step"] == exact["key_mib_read_per_step"]
+    assert "runs the exact selection" in out.with_suffix(".md").read_text()
+
+
 def test_bad_arguments_exit_2(capsys):
     assert bench_retrieval.main(["--contexts", "100"]) == 2  # not above window + sink + budget
     assert bench_retrieval.main(["--heads", "6", "--kv-heads", "4"]) == 2
+    assert bench_retrieval.main(["--kv-heads", "0"]) == 2
+    assert bench_retrieval.main(["--window", "-100"]) == 2
     assert "error:" in capsys.readouterr().err

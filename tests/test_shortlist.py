@@ -51,6 +51,8 @@ def test_channel_products_follow_appends_crops_and_count_their_bytes(seed):
     assert torch.equal(store.channel_products(left, channels, 150), expected(keys, 150))
     with pytest.raises(RuntimeError, match="channel_major=True"):
         plain.channel_products(left, channels, 10)
+    with pytest.raises(ValueError, match="store holding 150"):
+        store.channel_products(left, channels, 151)
     store.free(), plain.free()
     assert live_host_bytes() == baseline
 
