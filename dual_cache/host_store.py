@@ -38,7 +38,9 @@ def _register(tensor: torch.Tensor) -> None:
         raise RuntimeError(f"cudaHostRegister failed with CUDA error {int(result)}.")
 
 
-def _release(chunks: list[tuple[torch.Tensor, torch.Tensor]], registered: bool, channel_chunks: list[torch.Tensor]) -> None:
+def _release(
+    chunks: list[tuple[torch.Tensor, torch.Tensor]], registered: bool, channel_chunks: list[torch.Tensor]
+) -> None:
     """Unregister (if registered) and drop every chunk; runs once, from `free()` or when the store is collected."""
     freed = 0
     for keys, values in chunks:

@@ -76,7 +76,7 @@ def select_shortlisted(
     keep: int,
     scaling: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Choose `budget` entries per (sequence, KV head): exact top-k among the `keep` shortlisted positions.
+    """Choose `budget` entries per (sequence, KV head): top-k by exact attention mass among `keep` shortlisted ones.
 
     Args:
         query: `(B, H_q, D)` float32 query (after RoPE) of the token predicting the step.
