@@ -87,6 +87,11 @@ def measure(context: int, batch: int, selector: str, args: argparse.Namespace) -
     }
 
 
+def _num(value: float) -> str:
+    """Three significant digits below 100, whole numbers with thousands separators above."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
 def markdown(rows: list[dict], args: argparse.Namespace) -> str:
     """The table, with exact/shortlist time ratios per (context, batch)."""
     lines = [
@@ -102,8 +107,8 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
         ratio = f"{base / r['ms_per_step']:.1f}×" if base else "—"
         name = r["selector"] + ("" if r["two_stage"] or r["selector"] == "exact" else " †")
         lines.append(
-            f"| {r['context']} | {r['batch']} | {name} | {r['ms_per_layer']:.3g} | {r['ms_per_step']:.3g} | "
-            f"{r['key_mib_read_per_step']:.3g} | {r['host_gib_per_s']:.3g} | {ratio} |"
+            f"| {r['context']} | {r['batch']} | {name} | {_num(r['ms_per_layer'])} | {_num(r['ms_per_step'])} | "
+            f"{_num(r['key_mib_read_per_step'])} | {_num(r['host_gib_per_s'])} | {ratio} |"
         )
     if not all(r["two_stage"] for r in rows if r["selector"] == "shortlist"):
         lines += ["", "† factor × budget covers every position: the shortlist selector runs the exact selection."]
