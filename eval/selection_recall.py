@@ -26,8 +26,8 @@ from ..host_store import HostKVStore
 from ..retrieval import group_attention_mass
 from ..shortlist import select_shortlisted
 from .needle import format_chat, make_needle_prompt
-from .outputs import write_rows_and_table
 from .needle_sweep import parse_seeds
+from .outputs import write_rows_and_table
 
 RECORDER = "dual_recall_recorder"
 _recording: dict[int, tuple[torch.Tensor, torch.Tensor, float]] | None = None  # layer -> what `_recorder` saw
@@ -59,7 +59,16 @@ def record_prefill(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.T
 
 
 def layer_recalls(query, keys, scaling, budget, configs, n_sink, window) -> dict[tuple[int, int], torch.Tensor]:
-    """`{(channels, factor): (H_kv,) recall}` of the shortlist selection against the exact top-`budget`, one layer."""
+    """Recall of the shortlist selection against the exact top-`budget` for one layer.
+
+    Args:
+        query: `(1, H_q, D)` float32; keys: `(1, H_kv, n, D)` float32 (from `record_prefill`); scaling: softmax scale.
+        budget: entries per KV head (tokens); configs: `(channels, factor)` pairs to evaluate.
+        n_sink, window: positions `< n_sink` and `>= n - window` are not candidates (tokens).
+
+    Returns:
+        `{(channels, factor): (H_kv,) float32 recall}`, each in `(0, 1]` up to rounding.
+    """
     n = keys.shape[2]
     hi = n - window
     store = HostKVStore(1, keys.shape[1], keys.shape[3], torch.float32, chunk_tokens=4096, channel_major=True)
