@@ -246,7 +246,8 @@ class HostKVStore:
         """Keys and values at `indices` (B, H_kv, k) int64 positions `< length`.
 
         Args:
-            out: optional `(keys, values)` `(B, H_kv, k, D)` host tensors to write into (e.g. a staging buffer).
+            out: optional contiguous `(keys, values)` `(B, H_kv, k, D)` host tensors to write into (e.g. a staging
+                buffer).
 
         Returns:
             `(keys, values)`, each `(B, H_kv, k, D)`.
@@ -262,8 +263,8 @@ class HostKVStore:
         """Rows of keys (`which=0`) or values (1) at `indices`, copied whole (`D` contiguous elements each) with
         `index_select` from each chunk viewed as `(B·H_kv·chunk_tokens, D)`."""
         shape = (*indices.shape, self.head_dim)
-        target = out if out is not None and out.is_contiguous() else torch.empty(shape, dtype=self.dtype)
-        flat_out = target.view(-1, self.head_dim)
+        target = out if out is not None else torch.empty(shape, dtype=self.dtype)
+        flat_out = target.view(-1, self.head_dim)  # (a non-contiguous `out` raises here)
         batch, kv_heads = self.shape_prefix
         chunk_ids = indices // self.chunk_tokens
         base = torch.arange(batch * kv_heads).view(batch, kv_heads, 1) * self.chunk_tokens
@@ -277,9 +278,6 @@ class HostKVStore:
             else:
                 inside = (chunk_ids == chunk).nonzero().flatten()
                 flat_out.index_copy_(0, inside, source.index_select(0, rows[inside]))
-        if out is not None and target is not out:
-            out.copy_(target)
-            return out
         return target
 
     def free(self) -> None:
