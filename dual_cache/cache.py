@@ -89,6 +89,24 @@ class _SequenceState:
         return cached
 
 
+def query_drift(query: torch.Tensor, chooser: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Relative distance between a token's query and the query that chose its entries, per sequence.
+
+    Args:
+        query: `(B, H_q, D)` the real token's query at one layer (any float dtype, any device).
+        chooser: `(B, H_q, D)` the query that selected the entries it attends to (the speculated token's).
+        kv_heads: `H_kv`; the query heads of one KV head (its GQA group) are compared as one `G·D` vector.
+
+    Returns:
+        `(B,)` float32 on `query`'s device: the largest over KV heads of `‖q − q̂‖₂ / ‖q‖₂` (0 for equal queries;
+        huge or inf for a zero query with a non-zero `chooser`).
+    """
+    batch = query.shape[0]
+    real = query.float().reshape(batch, kv_heads, -1)
+    diff = (real - chooser.float().reshape(batch, kv_heads, -1)).norm(dim=-1)
+    return (diff / real.norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)).amax(dim=-1)
+
+
 class DualLayer(CacheLayerMixin):
     """One full-attention layer: host store of every K/V plus device-resident sink, window ring and selection.
 
@@ -121,6 +139,7 @@ class DualLayer(CacheLayerMixin):
         self.ring_keys = self.ring_values = None
         self.ring_size = config.window + 2
         self.page_min = self.page_max = None  # Quest page metadata (device)
+        self.chooser_query: torch.Tensor | None = None  # (B, H_q, D) the query that chose the next step's entries
 
     @property
     def schedule(self) -> TransferSchedule:
@@ -270,6 +289,7 @@ class DualLayer(CacheLayerMixin):
         """
         if self.budget == 0:
             return
+        self.chooser_query = query
         batch, kv_heads = self.host.shape_prefix
         shape = (batch, kv_heads, self.budget, self.host.head_dim)
         self.schedule.submit(self.layer_idx, self._selection_job(query, committed), shape, self.host.dtype)
@@ -354,16 +374,32 @@ class DualLayer(CacheLayerMixin):
                 self.scaling = scaling
                 self.submit_selection(query[:, :, 0], committed=n - q)
             selection = self.schedule.acquire(self.layer_idx)
-            repair = self.owner.repair_rows
             every_candidate_fits = (
                 self.config.selector in ("exact", "shortlist") and n - q - self.config.window <= self.budget
             )
-            if repair is not None and self.config.selector in PREFETCHED_SELECTORS and not every_candidate_fits:
-                self.repair_selection(query[:, :, 0], n - q, repair)  # (when all fit, any query selects them all)
+            if self.config.selector in PREFETCHED_SELECTORS and not every_candidate_fits:  # (else any query picks all)
+                repair = self._rows_to_repair(query[:, :, 0])
+                if repair is not None:
+                    self.repair_selection(query[:, :, 0], n - q, repair)
             segments.append(KVSegment(selection.keys, selection.values, selection.indices, selection.valid))
         ring_pos, ring_valid = self.state.ring_view(n, q, self.config.window, self.ring_size, self.sink_last)
         segments.append(KVSegment(self.ring_keys, self.ring_values, ring_pos, ring_valid))
         return segments
+
+    def _rows_to_repair(self, real_query: torch.Tensor) -> torch.Tensor | None:
+        """`(B,)` bool host rows whose entries this layer re-selects with `real_query` `(B, H_q, D)`: the owner's
+        miss rows, plus the hit rows whose query drifted from the one that chose the entries (`repair_drift`);
+        None when there are none."""
+        missed, hit = self.owner.repair_rows, self.owner.drift_check_rows
+        threshold = self.config.repair_drift
+        if hit is None or threshold is None or self.chooser_query is None:
+            return missed
+        chooser = self.chooser_query.to(real_query.device, non_blocking=True)
+        drifted = (query_drift(real_query, chooser, self.host.shape_prefix[1]) >= threshold).cpu() & hit
+        if not drifted.any():
+            return missed
+        self.owner.drift_repairs += 1
+        return drifted if missed is None else missed | drifted
 
     def release(self) -> None:
         """The running step's attention at this layer is queued; its selection slot may be reused."""
@@ -395,6 +431,7 @@ class DualLayer(CacheLayerMixin):
             self.host.free()
         self.sink_keys = self.sink_values = self.ring_keys = self.ring_values = None
         self.page_min = self.page_max = None
+        self.chooser_query = None
 
 
 class DualDecoderCache(Cache):
@@ -453,6 +490,8 @@ class DualDecoderCache(Cache):
         self.spec_hits = 0
         self.spec_steps = 0
         self.repair_rows: torch.Tensor | None = None
+        self.drift_check_rows: torch.Tensor | None = None
+        self.drift_repairs = 0
         self.host_limit: int | None = None
         self.host_claimed = 0
         self._final_stats: dict | None = None
@@ -589,18 +628,22 @@ class DualDecoderCache(Cache):
         for layer in dual:
             layer.start_decoding()
 
-    def set_repair_rows(self, rows: torch.Tensor | None) -> None:
-        """Mark the sequences whose selection for the next forward must be repaired (miss repair).
+    def set_repair_rows(self, missed: torch.Tensor | None, hit: torch.Tensor | None = None) -> None:
+        """Mark the sequences whose selections for the next forward are repaired (`miss_repair`).
 
         Args:
-            rows: `(B,)` bool, True where the speculated token that chose the next step's entries differed from
-                the real token; None (or no True) = nothing to repair. Applies to every layer of the next forward.
+            missed: `(B,)` bool, True where the speculated token that chose the next step's entries differed from
+                the real token (or on the first decode step): repaired in every layer of the next forward.
+            hit: `(B,)` bool, True for the live sequences whose speculated token hit: repaired in the layers where
+                their query drifted (`repair_drift`). None (or no True) = nothing to repair / check.
         """
-        if rows is not None:
+        def host_rows(rows: torch.Tensor | None) -> torch.Tensor | None:
+            if rows is None:
+                return None
             rows = rows.detach().to("cpu", torch.bool)
-            if not rows.any():
-                rows = None
-        self.repair_rows = rows
+            return rows if rows.any() else None
+
+        self.repair_rows, self.drift_check_rows = host_rows(missed), host_rows(hit)
 
     def record_speculation(self, hits: int, steps: int) -> None:
         """Add speculation outcomes: `hits` of `steps` speculated tokens equalled the real next token."""
@@ -638,8 +681,9 @@ class DualDecoderCache(Cache):
             retrieval_seconds, copy_seconds: host time spent scoring + gathering, and issuing copies;
             wait_seconds: time the compute side waited for selections (all of it on the synchronous path);
             overlap_ratio: `1 − wait / (retrieval + copy)` (nan before the first decode step);
-            repairs, repaired_steps, repair_seconds: (step, layer) selections redone by miss repair, the decode
-                steps in which any was, and the time they took.
+            repairs, repaired_steps, repair_seconds: (step, layer) selections redone by miss repair (misses and
+                drift), the decode steps in which any was, and the time they took;
+            drift_repairs: those of the `repairs` made for drifted queries on hit steps (`repair_drift`).
         """
         if self._final_stats is not None:
             return dict(self._final_stats)
@@ -672,6 +716,7 @@ class DualDecoderCache(Cache):
             "repairs": 0 if schedule is None else schedule.repairs,
             "repaired_steps": 0 if schedule is None else schedule.repaired_steps,
             "repair_seconds": 0.0 if schedule is None else schedule.repair_seconds,
+            "drift_repairs": self.drift_repairs,
         }
 
     def timeline(self) -> list[dict]:

@@ -87,14 +87,28 @@ def stats_line(info: dict) -> str:
         f"decode {info['tokens_per_s']:.2f} tokens/s | speculation hit rate {hit} | device "
         f"{_human(info['device_bytes'])} vs dense cache {_human(info['dense_equivalent_bytes'])} ({ratio:.1%}) "
         f"| host {_human(info['host_bytes'])} "
-        f"| miss-repaired steps {info.get('repaired_steps', 0)}/{info.get('steps', 0)}"
+        f"| repaired steps {info.get('repaired_steps', 0)}/{info.get('steps', 0)} "
+        f"(drift repairs {info.get('drift_repairs', 0)})"
     )
+
+
+def _drift_threshold(text: str) -> float | None:
+    """`--repair-drift` value: a number >= 0, or `off`/`none`."""
+    if text.strip().lower() in ("off", "none"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 or 'off', got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 or 'off', got {text!r}")
+    return value
 
 
 def _dual_config(args) -> DualDecoderConfig:
     return DualDecoderConfig(
         budget=args.budget, n_sink=args.n_sink, window=args.window, speculator=args.speculator,
-        miss_repair=not args.no_miss_repair, selector=args.selector, shortlist_channels=args.shortlist_channels,
+        miss_repair=not args.no_miss_repair, repair_drift=args.repair_drift, selector=args.selector, shortlist_channels=args.shortlist_channels,
         shortlist_factor=args.shortlist_factor, prefill_progress=True,
     )
 
@@ -159,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="shortlist: positions kept per KV head, as a multiple of the budget")
         p.add_argument("--no-miss-repair", action="store_true",
                        help="keep a mis-speculated step's prefetched entries (no synchronous re-selection)")
+        p.add_argument("--repair-drift", type=_drift_threshold, default=DualDecoderConfig.repair_drift,
+                       help="also re-select a layer's entries on a hit step when the real query drifted this far "
+                            "(relative L2) from the speculated one; 'off' disables (default %(default)s)")
         p.add_argument("--max-new-tokens", type=int, default=32)
 
     gen = sub.add_parser("generate", help="answer a question about a document with the dual cache")

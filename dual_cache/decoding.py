@@ -1,7 +1,8 @@
 """The dual-token decode loop (DESIGN.md §2): each forward feeds `[x_t, x̂_{t+1}]`; slot 0 gives the real next
 token through all of `generate()`'s logits processors and stopping criteria, slot 1's queries select the next
 step's KV entries and its logits give the next speculated token. With `miss_repair`, the sequences whose speculated
-token missed are marked before the next forward, whose layers re-select their entries with the real token's query.
+token missed are marked before the next forward, whose layers re-select their entries with the real token's query;
+the sequences that hit are re-selected only in the layers where the real query drifted (`repair_drift`).
 
 `dual_sample` has the signature of `GenerationMixin._sample`; `integration.py` routes `generate()` here when the
 cache is a `DualDecoderCache`.
@@ -155,9 +156,13 @@ def dual_sample(
                 # one forward: the real token, plus the speculated one unless the speculator is "none"
                 if config.miss_repair and q_per_step == 2:
                     # rows whose entries for this forward were chosen by a mis-speculated token (on the first step,
-                    # by the prompt's last position): re-selected with the real token's query, layer by layer
+                    # by the prompt's last position): re-selected with the real token's query, layer by layer;
+                    # rows that hit: re-selected in the layers where the real query drifted (`repair_drift`)
                     live = unfinished.bool()
-                    cache.set_repair_rows(live if last_hit is None else live & ~last_hit)
+                    if last_hit is None:
+                        cache.set_repair_rows(live)
+                    else:
+                        cache.set_repair_rows(live & ~last_hit, live & last_hit)
                 if q_per_step == 2:
                     speculated = speculator.propose(input_ids, spec_logits, last_hit)
                     tokens = torch.stack([next_tokens, speculated], dim=1)

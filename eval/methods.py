@@ -3,7 +3,7 @@
 | method | budget | cache |
 |---|---|---|
 | `dense` | null | transformers' default `DynamicCache` (no `cache_implementation`) |
-| `dual` | b | `cache_config={"budget": b, "miss_repair": True}` (speculated-token selection, mis-speculated steps re-selected with the real token's query; default sink 4, window 64, and the first 2 layers retrieve `max(b, 1024)`) |
+| `dual` | b | `cache_config={"budget": b, "miss_repair": True}` (speculated-token selection, mis-speculated steps, and layers of hit steps whose real query drifted (`repair_drift` 0.4), re-selected with the real token's query; default sink 4, window 64, and the first 2 layers retrieve `max(b, 1024)`) |
 | `dual-no-repair` | b | `{"budget": b, "miss_repair": False}`: speculated-token selection only (the paper's method) |
 | `dual-none` | b | `{"budget": b, "speculator": "none"}`: the previous real token's selection (what speculation buys) |
 | `oracle` | b | `{"budget": b, "selector": "oracle"}`: the real token's own top-k (upper bound) |

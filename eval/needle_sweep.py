@@ -22,6 +22,7 @@ from .outputs import write_rows_and_table
 METHODS = {
     "dense": None,
     "dual": {},
+    "dual-no-drift": {"repair_drift": None},
     "dual-no-repair": {"miss_repair": False},
     "dual-none": {"speculator": "none"},
     "dual-shortlist": {"selector": "shortlist"},

@@ -27,6 +27,10 @@ def test_defaults_are_valid():
         ({"retrieval_threads": 4}, "retrieval_threads"),
         ({"layer_budgets": {0: -5}}, "layer_budgets"),
         ({"bugdet": 3}, "Unknown dual cache option"),
+        ({"repair_drift": -0.1}, "repair_drift"),
+        ({"repair_drift": float("nan")}, "repair_drift"),
+        ({"repair_drift": "0.4"}, "repair_drift"),
+        ({"repair_drift": True}, "repair_drift"),
     ],
 )
 def test_bad_values_raise_clear_errors(options, message):

@@ -85,3 +85,82 @@ def test_schedule_repair_replaces_only_the_missed_rows():
     with pytest.raises(KeyError):
         schedule.repair(0, lambda staging: None, torch.tensor([True, True, True]))
     schedule.close()
+
+
+# --- drift repair: hit steps whose real query drifted from the speculated query that chose the entries ----------
+
+def test_query_drift_matches_a_per_group_loop():
+    from dual_cache.cache import query_drift
+
+    generator = torch.Generator().manual_seed(21)
+    batch, kv_heads, group, dim = 3, 2, 4, 8
+    real = torch.randn(batch, kv_heads * group, dim, generator=generator)
+    chooser = real + 0.3 * torch.randn(real.shape, generator=generator)
+    chooser[1] = real[1]  # an exact match drifts 0
+    expected = torch.zeros(batch)
+    for b in range(batch):
+        for h in range(kv_heads):
+            q, q_hat = real[b, h * group : (h + 1) * group].flatten(), chooser[b, h * group : (h + 1) * group].flatten()
+            expected[b] = max(expected[b], ((q - q_hat).norm() / q.norm()).item())
+    drift = query_drift(real.to(torch.bfloat16).float(), chooser.to(torch.bfloat16).float(), kv_heads)
+    torch.testing.assert_close(query_drift(real, chooser, kv_heads), expected)
+    assert drift[1] == 0 and drift.dtype == torch.float32
+    assert query_drift(torch.zeros(1, 4, 8), torch.ones(1, 4, 8), 2)[0] > 1e6  # a zero query: fully drifted
+
+
+@pytest.mark.parametrize("threads", [0, 1])
+def test_zero_drift_threshold_repairs_every_step_like_the_oracle(threads):
+    """`repair_drift=0` re-selects hit steps too, so every step selects with the real token's query."""
+    model = six_layer_llama(seed=13)
+    ids = torch.randint(3, 90, (2, 300), generator=torch.Generator().manual_seed(14))
+    base = {"budget": 16, "n_sink": 4, "window": 8, "early_layers": 0, "retrieval_threads": threads}
+    runs = {}
+    for name, options in (("drift0", {"repair_drift": 0.0}), ("oracle", {"selector": "oracle"})):
+        cache = DualDecoderCache(model.config, **base, **options)
+        recorded = record_selections(cache, at="release")
+        runs[name] = (model.generate(ids, cache=cache, max_new_tokens=12, do_sample=False), recorded, cache.stats())
+    (drift_ids, drift_sel, stats), (oracle_ids, oracle_sel, _) = runs["drift0"], runs["oracle"]
+    assert torch.equal(drift_ids, oracle_ids)
+    assert len(drift_sel) == len(oracle_sel) == 11 * 6
+    for (layer_a, idx_a, valid_a, keys_a), (layer_b, idx_b, valid_b, keys_b) in zip(drift_sel, oracle_sel):
+        assert layer_a == layer_b
+        assert torch.equal(idx_a, idx_b) and torch.equal(valid_a, valid_b) and torch.equal(keys_a, keys_b)
+    assert stats["spec_hits"] > 0 and stats["drift_repairs"] > 0  # the hits were repaired as drift
+    assert stats["repairs"] == 11 * 6
+
+
+def test_unreachable_drift_threshold_is_the_same_as_no_drift_repair():
+    model = six_layer_llama(seed=13)
+    ids = torch.randint(3, 90, (2, 300), generator=torch.Generator().manual_seed(15))
+    runs = []
+    for drift in (None, 1e30, 0.4):
+        cache = DualDecoderCache(model.config, budget=16, n_sink=4, window=8, early_layers=0, repair_drift=drift)
+        recorded = record_selections(cache, at="release")
+        runs.append((model.generate(ids, cache=cache, max_new_tokens=12, do_sample=False), recorded, cache.stats()))
+    (off_ids, off_sel, off_stats), (huge_ids, huge_sel, huge_stats), (_, _, default_stats) = runs
+    assert torch.equal(off_ids, huge_ids) and off_stats["drift_repairs"] == huge_stats["drift_repairs"] == 0
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(off_sel, huge_sel))
+    assert off_stats["spec_hits"] > 0
+    assert default_stats["drift_repairs"] <= default_stats["repairs"]
+
+
+def test_drift_repair_needs_miss_repair(always_miss):
+    model = six_layer_llama(seed=7)
+    ids = torch.randint(3, 90, (1, 300), generator=torch.Generator().manual_seed(9))
+    out = model.generate(ids, max_new_tokens=6, do_sample=False, bad_words_ids=[[NEVER]], cache_implementation="dual",
+                         cache_config={"budget": 16, "window": 8, "miss_repair": False, "repair_drift": 0.0},
+                         return_dict_in_generate=True)
+    assert out.cache.stats()["repairs"] == 0 == out.cache.stats()["drift_repairs"]
+
+
+def test_cli_repair_drift_option(tmp_path, capsys):
+    from dual_cache.cli import _drift_threshold, main
+
+    assert _drift_threshold("off") is None and _drift_threshold("0.25") == 0.25
+    doc = tmp_path / "doc.txt"
+    doc.write_text("a document")
+    for bad in ("-1", "abc", "nan"):
+        with pytest.raises(SystemExit) as exit_info:  # argparse rejects it before any model loads
+            main(["generate", "--prompt-file", str(doc), "--question", "q", "--repair-drift", bad])
+        assert exit_info.value.code == 2
+        assert "--repair-drift" in capsys.readouterr().err
