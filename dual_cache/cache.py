@@ -736,6 +736,7 @@ class DualDecoderCache(Cache):
         if self._final_stats is not None:
             return
         final, timeline = self.stats(), self.timeline()
+        self.repair_rows = self.drift_check_rows = None
         try:
             if self.schedule is not None:
                 self.schedule.close()

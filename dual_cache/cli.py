@@ -93,15 +93,15 @@ def stats_line(info: dict) -> str:
 
 
 def _drift_threshold(text: str) -> float | None:
-    """`--repair-drift` value: a number >= 0, or `off`/`none`."""
+    """`--repair-drift` value: a finite number >= 0, or `off`/`none` (None)."""
     if text.strip().lower() in ("off", "none"):
         return None
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number >= 0 or 'off', got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0 or 'off', got {text!r}")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0 or 'off', got {text!r}")
     return value
 
 

@@ -22,7 +22,8 @@ Per cell (one `generate()` call of `batch` prompts of `context` tokens, `new_tok
   offloaded: every layer is prefetched once per step, so the whole cache at its final size; dense: 0);
 - `overlap_ratio`, `wait_seconds`: the dual pipeline's telemetry (`cache.stats()`), NaN where absent;
 - `spec_hit_rate`: speculated tokens equal to the real next token / speculated tokens (dual only);
-- `repaired_fraction`: decode steps whose selections miss repair redid / decode steps (dual only; `miss_repair`).
+- `repaired_fraction`: decode steps in which miss repair redid any selection (a miss, or a drifted query on a hit:
+  `repair_drift`) / decode steps (dual only; `miss_repair`).
 
 Max concurrency for a device memory budget (`device_budget_gib`): on CPU computed as
 `floor((budget - weight bytes) / device_bytes_per_request)` from the measured per-request bytes (activations are

@@ -31,6 +31,8 @@ def test_defaults_are_valid():
         ({"repair_drift": float("nan")}, "repair_drift"),
         ({"repair_drift": "0.4"}, "repair_drift"),
         ({"repair_drift": True}, "repair_drift"),
+        ({"repair_drift": float("inf")}, "use None to turn it off"),
+        ({"repair_drift": 2**2000}, "finite"),
     ],
 )
 def test_bad_values_raise_clear_errors(options, message):
@@ -43,3 +45,11 @@ def test_layer_budget_override():
     assert config.budget_for_layer(0) == 128 and config.budget_for_layer(1) == 512
     assert config.budget_for_layer(2) == 64
     assert DualDecoderConfig(budget=2048).budget_for_layer(0) == 2048
+
+
+def test_repair_drift_is_stored_as_a_float():
+    import numpy as np
+
+    assert DualDecoderConfig(repair_drift=np.float32(0.5)).repair_drift == 0.5
+    assert type(DualDecoderConfig(repair_drift=1).repair_drift) is float
+    assert DualDecoderConfig(repair_drift=2**64).repair_drift == float(2**64)  # compared as float32 later

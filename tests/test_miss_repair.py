@@ -159,7 +159,7 @@ def test_cli_repair_drift_option(tmp_path, capsys):
     assert _drift_threshold("off") is None and _drift_threshold("0.25") == 0.25
     doc = tmp_path / "doc.txt"
     doc.write_text("a document")
-    for bad in ("-1", "abc", "nan"):
+    for bad in ("-1", "abc", "nan", "inf"):
         with pytest.raises(SystemExit) as exit_info:  # argparse rejects it before any model loads
             main(["generate", "--prompt-file", str(doc), "--question", "q", "--repair-drift", bad])
         assert exit_info.value.code == 2
