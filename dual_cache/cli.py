@@ -108,8 +108,8 @@ def _drift_threshold(text: str) -> float | None:
 def _dual_config(args) -> DualDecoderConfig:
     return DualDecoderConfig(
         budget=args.budget, n_sink=args.n_sink, window=args.window, speculator=args.speculator,
-        miss_repair=not args.no_miss_repair, repair_drift=args.repair_drift, selector=args.selector, shortlist_channels=args.shortlist_channels,
-        shortlist_factor=args.shortlist_factor, prefill_progress=True,
+        miss_repair=not args.no_miss_repair, repair_drift=args.repair_drift, selector=args.selector,
+        shortlist_channels=args.shortlist_channels, shortlist_factor=args.shortlist_factor, prefill_progress=True,
     )
 
 
