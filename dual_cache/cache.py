@@ -303,12 +303,17 @@ class DualLayer(CacheLayerMixin):
             rows: `(B,)` bool host tensor, True for sequences whose speculated token missed.
         """
         if self.budget > 0:
-            self.schedule.repair(self.layer_idx, self._selection_job(query, committed), rows)
+            self.schedule.repair(self.layer_idx, self._selection_job(query, committed, rows), rows)
 
-    def _selection_job(self, query: torch.Tensor, committed: int):
+    def _selection_job(self, query: torch.Tensor, committed: int, rows: torch.Tensor | None = None):
         """A job filling a staging `Selection` `(B, H_kv, budget[, D])` with the top entries for `query`
-        `(B, H_q, D)` among the candidates below `committed - window`, then gathering their K/V from the host."""
+        `(B, H_q, D)` among the candidates below `committed - window`, then gathering their K/V from the host.
+
+        With `rows` (`(B,)` bool host, a repair), the exact and block selectors score only those sequences, one at
+        a time on views of the host keys; the other rows of the staging buffer get placeholder entries (position
+        0, invalid), which `TransferSchedule.repair` never copies."""
         hi = max(0, committed - self.config.window)
+        subset = None if rows is None or bool(rows.all()) else rows.nonzero().flatten().tolist()
         query_ready = None
         if query.device.type == "cuda":  # no host sync on the launch thread: the job waits for the copy's event
             host_query = torch.empty(query.shape, dtype=torch.float32, pin_memory=True)
@@ -345,6 +350,15 @@ class DualLayer(CacheLayerMixin):
                     indices, valid = select_shortlisted(
                         host_query, host, candidates, hi, budget, channels, keep, scaling
                     )
+                elif subset is not None:  # repair of some sequences: a sequence's selection depends on it alone
+                    indices, valid = staging.indices.zero_(), staging.valid.zero_()
+                    chunks = host.key_chunks(hi)
+                    for row in subset:
+                        one = slice(row, row + 1)
+                        indices[one], valid[one] = retrieval.select(
+                            host_query[one], [chunk[one] for chunk in chunks], candidates[one], budget, scaling,
+                            block, None if starts is None else starts[one],
+                        )
                 else:
                     indices, valid = retrieval.select(
                         host_query, host.key_chunks(hi), candidates, budget, scaling, block, starts

@@ -164,3 +164,46 @@ def test_cli_repair_drift_option(tmp_path, capsys):
             main(["generate", "--prompt-file", str(doc), "--question", "q", "--repair-drift", bad])
         assert exit_info.value.code == 2
         assert "--repair-drift" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("selector, block", [("exact", 1), ("block", 4)])
+def test_repairing_some_sequences_scores_only_them_with_the_same_result(monkeypatch, selector, block):
+    """A repair of a strict subset of the batch scores those sequences one by one; the selections they attend to
+    (and the tokens) equal those of scoring the whole batch and copying the same rows."""
+    from dual_cache.cache import DualLayer
+
+    model = six_layer_llama(seed=17)
+    generator = torch.Generator().manual_seed(18)
+    ids = torch.randint(3, 90, (3, 260), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, :70] = 0  # a left-padded row
+    options = {"budget": 16, "n_sink": 4, "window": 8, "early_layers": 0, "selector": selector, "block_size": block}
+    subsets = []
+
+    def run():
+        cache = DualDecoderCache(model.config, **options)
+        recorded = record_selections(cache, at="release")
+        out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=14, do_sample=False)
+        return out, recorded
+
+    original_repair = DualLayer.repair_selection
+
+    def spy(self, query, committed, rows):
+        subsets.append(int(rows.sum()))
+        return original_repair(self, query, committed, rows)
+
+    monkeypatch.setattr(DualLayer, "repair_selection", spy)
+    rows_out, rows_sel = run()
+    assert any(0 < n < 3 for n in subsets)  # some repairs covered part of the batch
+
+    def whole_batch(self, query, committed, rows):  # the reference: score every sequence, copy the repaired rows
+        self.schedule.repair(self.layer_idx, self._selection_job(query, committed), rows)
+
+    monkeypatch.setattr(DualLayer, "repair_selection", whole_batch)
+    full_out, full_sel = run()
+    assert torch.equal(rows_out, full_out)
+    assert len(rows_sel) == len(full_sel)
+    for (layer_a, idx_a, valid_a, keys_a), (layer_b, idx_b, valid_b, keys_b) in zip(rows_sel, full_sel):
+        assert layer_a == layer_b
+        assert torch.equal(valid_a, valid_b) and torch.equal(idx_a[valid_a], idx_b[valid_b])
+        assert torch.equal(keys_a[valid_a], keys_b[valid_b])
