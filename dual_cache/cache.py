@@ -309,8 +309,8 @@ class DualLayer(CacheLayerMixin):
         """A job filling a staging `Selection` `(B, H_kv, budget[, D])` with the top entries for `query`
         `(B, H_q, D)` among the candidates below `committed - window`, then gathering their K/V from the host.
 
-        With `rows` (`(B,)` bool host, a repair), the exact and block selectors score only those sequences, one at
-        a time on views of the host keys; the other rows of the staging buffer get placeholder entries (position
+        With `rows` (`(B,)` bool host, a repair of a strict subset), only those sequences are scored, one at a
+        time on views of the host store (`first_sequence` for the shortlist); the other rows of the staging buffer get placeholder entries (position
         0, invalid), which `TransferSchedule.repair` never copies."""
         hi = max(0, committed - self.config.window)
         subset = None if rows is None or bool(rows.all()) else rows.nonzero().flatten().tolist()
@@ -346,19 +346,24 @@ class DualLayer(CacheLayerMixin):
                     indices, valid = retrieval.select_pages(
                         host_query, *pages, candidates, budget, self.config.block_size
                     )
-                elif selector == "shortlist":
-                    indices, valid = select_shortlisted(
-                        host_query, host, candidates, hi, budget, channels, keep, scaling
-                    )
                 elif subset is not None:  # repair of some sequences: a sequence's selection depends on it alone
                     indices, valid = staging.indices.zero_(), staging.valid.zero_()
                     chunks = host.key_chunks(hi)
                     for row in subset:
                         one = slice(row, row + 1)
-                        indices[one], valid[one] = retrieval.select(
-                            host_query[one], [chunk[one] for chunk in chunks], candidates[one], budget, scaling,
-                            block, None if starts is None else starts[one],
-                        )
+                        if selector == "shortlist":
+                            indices[one], valid[one] = select_shortlisted(
+                                host_query[one], host, candidates[one], hi, budget, channels, keep, scaling, row
+                            )
+                        else:
+                            indices[one], valid[one] = retrieval.select(
+                                host_query[one], [chunk[one] for chunk in chunks], candidates[one], budget,
+                                scaling, block, None if starts is None else starts[one],
+                            )
+                elif selector == "shortlist":
+                    indices, valid = select_shortlisted(
+                        host_query, host, candidates, hi, budget, channels, keep, scaling
+                    )
                 else:
                     indices, valid = retrieval.select(
                         host_query, host.key_chunks(hi), candidates, budget, scaling, block, starts

@@ -178,7 +178,9 @@ class HostKVStore:
         self.length -= n_tokens
         self.channel_length = min(self.channel_length, self.length)
 
-    def channel_products(self, left: torch.Tensor, channels: torch.Tensor, hi: int) -> torch.Tensor:
+    def channel_products(
+        self, left: torch.Tensor, channels: torch.Tensor, hi: int, first_sequence: int = 0
+    ) -> torch.Tensor:
         """`left @ keys[..., channels]ᵀ` over positions `[0, hi)`, reading only those channels of the keys from the
         channel-major copy (filled up to `hi` first).
 
@@ -186,6 +188,7 @@ class HostKVStore:
             left: `(B, H_kv, G, r)` in the store's dtype (e.g. the query's values at those channels).
             channels: `(B, H_kv, r)` int64 channel indices in `[0, D)`, per sequence and KV head.
             hi: positions read, `<= length`.
+            first_sequence: the `B` rows are the store's sequences `first_sequence, first_sequence + 1, …`.
 
         Returns:
             `(B, H_kv, G, hi)` float32 (products computed in the store's dtype). Per chunk, the `r` channel rows are
@@ -193,7 +196,7 @@ class HostKVStore:
 
         Raises:
             RuntimeError: if the store was built without `channel_major=True`.
-            ValueError: if `hi` is outside `[0, length]`.
+            ValueError: if `hi` is outside `[0, length]` or the rows lie outside the store's batch.
         """
         if not self.channel_major:
             raise RuntimeError("This HostKVStore keeps no channel-major keys; build it with channel_major=True.")
@@ -206,7 +209,8 @@ class HostKVStore:
             self._channel_chunks[chunk][:, :, :, offset : offset + take].copy_(keys.transpose(-1, -2))
             self.channel_length += take
         batch, kv_heads, r = channels.shape
-        rows = (torch.arange(batch * kv_heads).view(batch, kv_heads, 1) * self.head_dim + channels).flatten()
+        first = self._first_row(first_sequence, batch)
+        rows = ((first + torch.arange(batch * kv_heads)).view(batch, kv_heads, 1) * self.head_dim + channels).flatten()
         out = torch.empty(*left.shape[:-1], hi, dtype=torch.float32)
         scratch = torch.empty(rows.numel(), self.chunk_tokens, dtype=self.dtype)  # reused: no per-chunk allocation
         for start in range(0, hi, self.chunk_tokens):
@@ -255,19 +259,32 @@ class HostKVStore:
         out_keys, out_values = out if out is not None else (None, None)
         return self._gather(0, indices, out_keys), self._gather(1, indices, out_values)
 
-    def gather_keys(self, indices: torch.Tensor) -> torch.Tensor:
-        """Keys only at `indices` (B, H_kv, k) int64 positions `< length`: a new `(B, H_kv, k, D)` tensor."""
-        return self._gather(0, indices, None)
+    def gather_keys(self, indices: torch.Tensor, first_sequence: int = 0) -> torch.Tensor:
+        """Keys only at `indices` (B, H_kv, k) int64 positions `< length`: a new `(B, H_kv, k, D)` tensor.
 
-    def _gather(self, which: int, indices: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        """Rows of keys (`which=0`) or values (1) at `indices`, copied whole (`D` contiguous elements each) with
-        `index_select` from each chunk viewed as `(B·H_kv·chunk_tokens, D)`."""
+        `first_sequence`: the `B` rows of `indices` are the store's sequences `first_sequence, …` (ValueError if
+        they lie outside its batch)."""
+        return self._gather(0, indices, None, self._first_row(first_sequence, indices.shape[0]))
+
+    def _first_row(self, first_sequence: int, batch: int) -> int:
+        """Flat `(sequence, KV head)` row of `first_sequence`'s first KV head, after checking the `batch` rows fit."""
+        if not 0 <= first_sequence <= first_sequence + batch <= self.shape_prefix[0]:
+            raise ValueError(
+                f"Sequences [{first_sequence}, {first_sequence + batch}) are outside this store's batch of "
+                f"{self.shape_prefix[0]}."
+            )
+        return first_sequence * self.shape_prefix[1]
+
+    def _gather(self, which: int, indices: torch.Tensor, out: torch.Tensor | None, first: int = 0) -> torch.Tensor:
+        """Rows of keys (`which=0`) or values (1) at `indices` `(b, H_kv, k)`, copied whole (`D` contiguous elements
+        each) with `index_select` from each chunk viewed as `(B·H_kv·chunk_tokens, D)`; `first` is the flat
+        `(sequence, KV head)` row of `indices`' first row."""
         shape = (*indices.shape, self.head_dim)
         target = out if out is not None else torch.empty(shape, dtype=self.dtype)
         flat_out = target.view(-1, self.head_dim)  # (a non-contiguous `out` raises here)
-        batch, kv_heads = self.shape_prefix
+        batch, kv_heads = indices.shape[:2]
         chunk_ids = indices // self.chunk_tokens
-        base = torch.arange(batch * kv_heads).view(batch, kv_heads, 1) * self.chunk_tokens
+        base = (first + torch.arange(batch * kv_heads)).view(batch, kv_heads, 1) * self.chunk_tokens
         rows = (base + indices - chunk_ids * self.chunk_tokens).flatten()
         chunk_ids = chunk_ids.flatten()
         used = range(int(chunk_ids.min()), int(chunk_ids.max()) + 1) if indices.numel() else range(0)

@@ -31,6 +31,7 @@ from .retrieval import group_attention_mass, select
 
 def shortlist_positions(
     query: torch.Tensor, host: HostKVStore, candidates: torch.Tensor, hi: int, channels: int, keep: int,
+    first_sequence: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1: the `keep` positions per (sequence, KV head) of highest approximate score.
 
@@ -45,6 +46,7 @@ def shortlist_positions(
         host: the layer's store, built with `channel_major=True`.
         candidates: `(B, hi)` bool selectable positions; hi: positions `[0, hi)` are scored (positive).
         channels: `r`, query channels used per KV head (clamped to `D`); keep: positions returned per KV head.
+        first_sequence: the `B` rows are the store's sequences `first_sequence, …` (a repair of some sequences).
 
     Returns:
         `positions` `(B, H_kv, m)` int64 in `[0, hi)` and `usable` `(B, H_kv, m)` bool (False where the position
@@ -58,7 +60,7 @@ def shortlist_positions(
     partial = torch.gather(grouped, 3, chosen[:, :, None, :].expand(-1, -1, grouped.shape[2], -1))
     temperature = (grouped.abs().sum(-1, keepdim=True) / partial.abs().sum(-1, keepdim=True).clamp(min=1e-30)).sqrt()
     mean = (partial * temperature).mean(dim=2, keepdim=True).to(host.dtype)  # (B, H_kv, 1, r)
-    score = host.channel_products(mean, chosen, hi)[:, :, 0]  # (B, H_kv, hi) float32
+    score = host.channel_products(mean, chosen, hi, first_sequence)[:, :, 0]  # (B, H_kv, hi) float32
     bias = torch.zeros(candidates.shape, dtype=score.dtype).masked_fill_(~candidates, float("-inf"))
     score += bias[:, None, :]
     positions = torch.topk(score, min(keep, hi), dim=-1, sorted=False).indices
@@ -75,6 +77,7 @@ def select_shortlisted(
     channels: int,
     keep: int,
     scaling: float,
+    first_sequence: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose `budget` entries per (sequence, KV head): top-k by exact attention mass among `keep` shortlisted ones.
 
@@ -83,16 +86,19 @@ def select_shortlisted(
         host: the layer's store (`channel_major=True`); candidates: `(B, hi)` bool selectable positions (real, not
             sink, below `hi`); `hi` must be positive.
         budget: entries per KV head (tokens); channels, keep: see `shortlist_positions`; scaling: softmax scale.
+        first_sequence: the `B` rows of `query`/`candidates` are the store's sequences `first_sequence, …`.
 
     Returns:
         `(indices, valid)`, both `(B, H_kv, budget)`: int64 positions, the valid ones in ascending order, and bool
         validity; invalid slots hold arbitrary in-range positions — the contract of `retrieval.select`.
     """
     if keep >= hi:  # every position would be shortlisted: the exact selection, without the approximate stage
-        return select(query, host.key_chunks(hi), candidates, budget, scaling)
-    positions, usable = shortlist_positions(query, host, candidates, hi, channels, keep)
+        rows = slice(first_sequence, first_sequence + query.shape[0])
+        return select(query, [chunk[rows] for chunk in host.key_chunks(hi)], candidates, budget, scaling)
+    positions, usable = shortlist_positions(query, host, candidates, hi, channels, keep, first_sequence)
     batch, kv_heads, m = positions.shape
-    mass = group_attention_mass(query, host.gather_keys(positions), usable, scaling)  # (B, H_kv, m)
+    keys = host.gather_keys(positions, first_sequence)
+    mass = group_attention_mass(query, keys, usable, scaling)  # (B, H_kv, m)
     k = min(budget, m)
     top = torch.topk(mass, k, dim=-1, sorted=False).indices
     valid = torch.gather(usable, 2, top)

@@ -166,7 +166,7 @@ def test_cli_repair_drift_option(tmp_path, capsys):
         assert "--repair-drift" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("selector, block", [("exact", 1), ("block", 4)])
+@pytest.mark.parametrize("selector, block", [("exact", 1), ("block", 4), ("shortlist", 1)])
 def test_repairing_some_sequences_scores_only_them_with_the_same_result(monkeypatch, selector, block):
     """A repair of a strict subset of the batch scores those sequences one by one; the selections they attend to
     (and the tokens) equal those of scoring the whole batch and copying the same rows."""

@@ -114,6 +114,28 @@ def test_partial_shortlist_matches_loop_reference(seed):
             assert set(indices[b, h][valid[b, h]].tolist()) == positions
 
 
+@pytest.mark.parametrize("seed", [29, 30])
+def test_one_sequence_of_the_store_selects_as_in_the_whole_batch(seed):
+    """`first_sequence`: a repair scores one sequence of the store alone, with the batch's result for that row."""
+    store, keys, g = _store(seed, batch=3, kv_heads=2, n=260, dim=16)
+    starts = torch.tensor([0, 40, 7])
+    query = torch.randn(3, 4, 16, generator=g)
+    for hi, keep in ((250, 48), (60, 80)):  # a partial shortlist, and every position shortlisted (exact shortcut)
+        candidates = _candidates(starts, hi)
+        batch_indices, batch_valid = select_shortlisted(query, store, candidates, hi, 12, 4, keep, 0.25)
+        for row in range(3):
+            one = slice(row, row + 1)
+            indices, valid = select_shortlisted(query[one], store, candidates[one], hi, 12, 4, keep, 0.25, row)
+            assert torch.equal(valid, batch_valid[one]) and torch.equal(indices[valid], batch_indices[one][valid])
+    positions = torch.tensor([[[5, 9]], [[0, 259]]]).expand(2, 2, 2)  # sequences 1 and 2 of the store
+    expected = torch.stack([keys[1][:, [5, 9]], keys[2][:, [0, 259]]])
+    assert torch.equal(store.gather_keys(positions, 1), expected)
+    with pytest.raises(ValueError, match="outside this store's batch"):
+        store.gather_keys(torch.zeros(2, 2, 1, dtype=torch.long), 2)
+    with pytest.raises(ValueError, match="outside this store's batch"):
+        store.channel_products(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 4, dtype=torch.long), 10, 3)
+
+
 def test_generate_shortlist_pipeline_full_budget_repair_and_exact_limit():
     model = six_layer_llama(seed=30)
     ids = torch.randint(3, 90, (2, 260), generator=torch.Generator().manual_seed(31))
