@@ -209,7 +209,7 @@ class HostKVStore:
             self._channel_chunks[chunk][:, :, :, offset : offset + take].copy_(keys.transpose(-1, -2))
             self.channel_length += take
         batch, kv_heads, r = channels.shape
-        first = self._first_row(first_sequence, batch)
+        first = self.first_row(first_sequence, batch)
         rows = ((first + torch.arange(batch * kv_heads)).view(batch, kv_heads, 1) * self.head_dim + channels).flatten()
         out = torch.empty(*left.shape[:-1], hi, dtype=torch.float32)
         scratch = torch.empty(rows.numel(), self.chunk_tokens, dtype=self.dtype)  # reused: no per-chunk allocation
@@ -264,11 +264,16 @@ class HostKVStore:
 
         `first_sequence`: the `B` rows of `indices` are the store's sequences `first_sequence, …` (ValueError if
         they lie outside its batch)."""
-        return self._gather(0, indices, None, self._first_row(first_sequence, indices.shape[0]))
+        return self._gather(0, indices, None, self.first_row(first_sequence, indices.shape[0]))
 
-    def _first_row(self, first_sequence: int, batch: int) -> int:
-        """Flat `(sequence, KV head)` row of `first_sequence`'s first KV head, after checking the `batch` rows fit."""
-        if not 0 <= first_sequence <= first_sequence + batch <= self.shape_prefix[0]:
+    def first_row(self, first_sequence: int, batch: int) -> int:
+        """Flat `(sequence, KV head)` row of `first_sequence`'s first KV head.
+
+        Raises:
+            ValueError: unless sequences `[first_sequence, first_sequence + batch)` lie in the store's batch.
+        """
+        fits = 0 <= first_sequence <= first_sequence + batch <= self.shape_prefix[0]
+        if isinstance(first_sequence, bool) or not fits:
             raise ValueError(
                 f"Sequences [{first_sequence}, {first_sequence + batch}) are outside this store's batch of "
                 f"{self.shape_prefix[0]}."

@@ -92,6 +92,7 @@ def select_shortlisted(
         `(indices, valid)`, both `(B, H_kv, budget)`: int64 positions, the valid ones in ascending order, and bool
         validity; invalid slots hold arbitrary in-range positions — the contract of `retrieval.select`.
     """
+    host.first_row(first_sequence, query.shape[0])  # ValueError for rows outside the store's batch
     if keep >= hi:  # every position would be shortlisted: the exact selection, without the approximate stage
         rows = slice(first_sequence, first_sequence + query.shape[0])
         return select(query, [chunk[rows] for chunk in host.key_chunks(hi)], candidates, budget, scaling)

@@ -134,6 +134,10 @@ def test_one_sequence_of_the_store_selects_as_in_the_whole_batch(seed):
         store.gather_keys(torch.zeros(2, 2, 1, dtype=torch.long), 2)
     with pytest.raises(ValueError, match="outside this store's batch"):
         store.channel_products(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 4, dtype=torch.long), 10, 3)
+    for keep in (8, 500):  # a partial shortlist and the exact shortcut both check the rows
+        for bad in (-1, 3, 5):
+            with pytest.raises(ValueError, match="outside this store's batch"):
+                select_shortlisted(query[:1], store, _candidates(starts[:1], 60), 60, 4, 2, keep, 0.25, bad)
 
 
 def test_generate_shortlist_pipeline_full_budget_repair_and_exact_limit():
