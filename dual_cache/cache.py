@@ -300,7 +300,7 @@ class DualLayer(CacheLayerMixin):
         Args:
             query: `(B, H_q, D)` the real token's query at this layer (slot 0 of the step).
             committed: real tokens in the cache before the step (as in `submit_selection`).
-            rows: `(B,)` bool host tensor, True for sequences whose speculated token missed.
+            rows: `(B,)` bool host tensor, True for the sequences repaired (a miss, or a drifted query).
         """
         if self.budget > 0:
             self.schedule.repair(self.layer_idx, self._selection_job(query, committed, rows), rows)
@@ -310,8 +310,8 @@ class DualLayer(CacheLayerMixin):
         `(B, H_q, D)` among the candidates below `committed - window`, then gathering their K/V from the host.
 
         With `rows` (`(B,)` bool host, a repair of a strict subset), only those sequences are scored, one at a
-        time on views of the host store (`first_sequence` for the shortlist); the other rows of the staging buffer get placeholder entries (position
-        0, invalid), which `TransferSchedule.repair` never copies."""
+        time on views of the host store (`first_sequence` for the shortlist); the other rows of the staging buffer
+        get placeholder entries (position 0, invalid), which `TransferSchedule.repair` never copies."""
         hi = max(0, committed - self.config.window)
         subset = None if rows is None or bool(rows.all()) else rows.nonzero().flatten().tolist()
         query_ready = None
