@@ -47,6 +47,26 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
+def threads_arg(text: str) -> int:
+    """`--threads` value: a positive int (torch intra-op threads); an argparse error otherwise."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
+    return value
+
+
+def load_embedded_model(threads: int | None):
+    """`(model, tokenizer)`: the embedded default model, after setting torch's intra-op threads (None: unchanged)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    from ..models import load_default_model
+
+    return load_default_model()
+
+
 def run(model, tokenizer, tokens: int, seeds: list[int], budget: int, methods: list[str], log=print) -> list[dict]:
     """One row per seed: `seed`, `answer`, `prompt_tokens`, and per method `<m>` (bool) and `<m>_text`."""
     rows = []
@@ -85,23 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0-15", help="e.g. 0-15 or 0,3,7")
     parser.add_argument("--budget", type=int, default=256, help="dual budget (tokens per KV head per layer)")
     parser.add_argument("--methods", nargs="+", default=["dense", "dual", "dual-no-repair"], choices=list(METHODS))
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--threads", type=threads_arg, default=None, help="torch intra-op threads")
     parser.add_argument("--out", default=None, help="output path without extension (writes .jsonl and .md)")
     args = parser.parse_args(argv)
     try:
         seeds = parse_seeds(args.seeds)
         if args.tokens < 256 or args.budget < 1:
             raise ValueError("--tokens must be >= 256 and --budget >= 1.")
-        if args.threads is not None and args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}.")
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    from ..models import load_default_model
-
-    model, tokenizer = load_default_model()
+    model, tokenizer = load_embedded_model(args.threads)
     rows = run(model, tokenizer, args.tokens, seeds, args.budget, args.methods)
     table = markdown(rows, args.methods, args.tokens, args.budget)
     print(table)

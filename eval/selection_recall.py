@@ -26,7 +26,7 @@ from ..host_store import HostKVStore
 from ..retrieval import group_attention_mass
 from ..shortlist import select_shortlisted
 from .needle import format_chat, make_needle_prompt
-from .needle_sweep import parse_seeds
+from .needle_sweep import load_embedded_model, parse_seeds, threads_arg
 from .outputs import write_rows_and_table
 
 RECORDER = "dual_recall_recorder"
@@ -92,23 +92,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--channels", type=int, nargs="+", default=[4, 8, 16], help="query channels per KV head")
     parser.add_argument("--factors", type=int, nargs="+", default=[2, 4, 8], help="shortlist factors")
     parser.add_argument("--skip-layers", type=int, default=2, help="leave out the first layers (larger budget)")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--threads", type=threads_arg, default=None, help="torch intra-op threads")
     parser.add_argument("--out", default=None, help="output path without extension (writes .json and .md)")
     args = parser.parse_args(argv)
     try:
         seeds = parse_seeds(args.seeds)
         if args.tokens < 4 * args.budget or min(args.channels + args.factors) < 1 or args.budget < 1:
             raise ValueError("--tokens must be >= 4 × --budget, and --budget, --channels, --factors >= 1.")
-        if args.threads is not None and args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}.")
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    from ..models import load_default_model
-
-    model, tokenizer = load_default_model()
+    model, tokenizer = load_embedded_model(args.threads)
     n_sink, window = 4, 64
     values: dict[tuple[int, int], list[torch.Tensor]] = {}
     for seed in seeds:

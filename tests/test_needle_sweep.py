@@ -27,6 +27,9 @@ def test_bad_arguments_exit_2_before_loading_a_model(capsys):
     assert needle_sweep.main(["--seeds", "x"]) == 2
     assert "--seeds" in capsys.readouterr().err
     assert needle_sweep.main(["--tokens", "10"]) == 2
-    assert needle_sweep.main(["--threads", "0"]) == 2
+    for bad in ("0", "two"):
+        with pytest.raises(SystemExit) as exit_info:  # argparse: exit status 2
+            needle_sweep.main(["--threads", bad])
+        assert exit_info.value.code == 2 and "--threads" in capsys.readouterr().err
     with pytest.raises(ValueError, match="empty"):
         needle_sweep.parse_seeds("5-2")
