@@ -15,7 +15,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .cache import DualLayer
-from .config import PREFETCHED_SELECTORS
 from .kernels import sparse_decode_attention
 
 ATTENTION_NAME = "dual"
@@ -68,6 +67,7 @@ def dual_attention(
         if attention_mask is not None and attention_mask.dtype == torch.bool:
             cache.record_prompt_validity(attention_mask[:, 0, -1, :])
         layer.record_query(query[:, :, -1], scaling)
+        layer.index_prompt()
         return sdpa_attention_forward(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
 
     q_len = query.shape[2]
@@ -76,7 +76,7 @@ def dual_attention(
     query_positions = torch.arange(n - q_len, n, device=query.device)
     out = sparse_decode_attention(query, segments, query_positions, scaling, backend=layer.config.attention_kernel)
     layer.release()
-    if layer.config.selector in PREFETCHED_SELECTORS:
+    if layer.selector is not None and layer.selector.prefetched:
         layer.submit_selection(query[:, :, -1], committed=n - q_len + 1)
     return out.transpose(1, 2).contiguous(), None
 

@@ -17,12 +17,11 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
-from . import retrieval
-from .config import PREFETCHED_SELECTORS, DualDecoderConfig
-from .host_store import HostKVStore
+from .config import DualDecoderConfig
+from .host_store import HostKVStore, planned_capacity
 from .kernels import KVSegment
 from .schedule import Selection, TransferSchedule
-from .shortlist import select_shortlisted
+from .selectors import SELECTORS, Candidates, Selector
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -61,6 +60,15 @@ class _SequenceState:
     first_real: torch.Tensor | None = None  # (B,) int64 host: first real (non-pad) position; where blocks begin
     candidates: dict[int, torch.Tensor] = field(default_factory=dict)  # hi -> (B, hi) bool host
     ring: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # n -> ring positions, valid
+
+    def first_real_so_far(self, host: HostKVStore) -> torch.Tensor:
+        """`(B,)` int64 first real position among the `host.length` prompt positions recorded so far (that length
+        where a sequence has none yet; 0 when no padding was recorded)."""
+        batch, n = host.shape_prefix[0], host.length
+        valid = self.prompt_valid
+        if valid is None or valid.shape[1] != n:
+            return torch.zeros(batch, dtype=torch.long)
+        return torch.where(valid, torch.arange(n), n).amin(dim=1)
 
     def candidates_below(self, hi: int) -> torch.Tensor:
         """`(B, hi)` bool: positions < hi that are real tokens and not sink tokens (selectable)."""
@@ -115,7 +123,10 @@ class DualLayer(CacheLayerMixin):
       - window ring: `(B, H_kv, window + 2, D)`, slot `p % (window + 2)` holds position p; the last `window`
         committed tokens plus the (up to two) tokens of the running step;
       - selection: a slot of the schedule's pool, `(B, H_kv, budget, D)`;
-      - with `selector="quest"`, the page min/max keys `(B, H_kv, pages, D)` (the baseline's metadata).
+      - whatever the selector keeps there (`Selector.device_bytes`; only the Quest baseline's page metadata).
+
+    The layer's `Selector` (`config.selector`) owns any host-side index; the layer extends it after each prefill
+    chunk and submits its selection jobs to the schedule.
 
     `update()` appends new K/V to the host store (and the ring once decoding) and returns them unchanged: the
     dual attention function reads the tiers through `prefill_kv()` and `decode_segments()`.
@@ -138,7 +149,7 @@ class DualLayer(CacheLayerMixin):
         self.sink_keys = self.sink_values = self.sink_pos = self.sink_valid = self.sink_last = None
         self.ring_keys = self.ring_values = None
         self.ring_size = config.window + 2
-        self.page_min = self.page_max = None  # Quest page metadata (device)
+        self.selector: Selector | None = None  # built with the host store when the layer retrieves (budget > 0)
         self.chooser_query: torch.Tensor | None = None  # (B, H_q, D) the query that chose the next step's entries
 
     @property
@@ -154,8 +165,12 @@ class DualLayer(CacheLayerMixin):
         self.host = HostKVStore(
             batch, kv_heads, dim, key_states.dtype, self.config.host_chunk_tokens,
             page_lock=key_states.device.type == "cuda", on_alloc=self.owner.claim_host_bytes,
-            channel_major=self.config.selector == "shortlist",
         )
+        self.host.reserve(self.owner.prompt_tokens)
+        if self.budget > 0:
+            self.selector = SELECTORS[self.config.selector](
+                self.config, self.budget, self.host, self.device, claim_host=self.owner.claim_host_bytes
+            )
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -174,8 +189,6 @@ class DualLayer(CacheLayerMixin):
                 slots = torch.arange(start, start + q, device=self.device) % self.ring_size
                 self.ring_keys.index_copy_(2, slots, key_states)
                 self.ring_values.index_copy_(2, slots, value_states)
-            if self.page_min is not None:
-                self._update_pages(start, key_states)
         return key_states, value_states
 
     def get_seq_length(self) -> int:
@@ -196,6 +209,8 @@ class DualLayer(CacheLayerMixin):
         if tokens_to_remove == 0 or self.host is None:
             return
         self.host.crop(-tokens_to_remove)
+        if self.selector is not None:
+            self.selector.truncate(self.host.length)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError(
@@ -224,6 +239,12 @@ class DualLayer(CacheLayerMixin):
         keys = torch.cat([keys.to(self.device, non_blocking=True), key_states], dim=2)
         values = torch.cat([values.to(self.device, non_blocking=True), value_states], dim=2)
         return keys, values
+
+    def index_prompt(self) -> None:
+        """Extend the selector's host index over the prompt tokens stored so far (after each prefill chunk)."""
+        if self.selector is None:
+            return
+        self.selector.extend(self.host.length, self.state.first_real_so_far(self.host))
 
     def record_query(self, query: torch.Tensor, scaling: float) -> None:
         """Keep the last position's query `(B, H_q, D)` of a prefill chunk; it selects the first decode step."""
@@ -256,28 +277,10 @@ class DualLayer(CacheLayerMixin):
         keys, values = self.host.read(first_pos, n)
         self.ring_keys.index_copy_(2, slots, keys.to(self.device))
         self.ring_values.index_copy_(2, slots, values.to(self.device))
-        if self.config.selector == "quest" and self.budget > 0:
-            keys, _ = self.host.read(0, n)
-            page_min, page_max = retrieval.page_bounds(keys, self.config.block_size)
-            self.page_min, self.page_max = page_min.to(self.device), page_max.to(self.device)
         self.decoding = True
-        if self.config.selector in PREFETCHED_SELECTORS:
+        if self.selector is not None and self.selector.prefetched:
             self.submit_selection(self.last_query, committed=n)
         self.last_query = None
-
-    def _update_pages(self, start: int, key_states: torch.Tensor) -> None:
-        """Recompute the Quest page bounds of the pages touched by positions `[start, start + q)`."""
-        page = self.config.block_size
-        first, last = start // page, (start + key_states.shape[2] - 1) // page
-        if last >= self.page_min.shape[2]:  # grow the metadata by whole pages
-            grow = last + 1 - self.page_min.shape[2]
-            pad = self.page_min.new_zeros(*self.page_min.shape[:2], grow, self.page_min.shape[3])
-            self.page_min, self.page_max = torch.cat([self.page_min, pad], 2), torch.cat([self.page_max, pad], 2)
-        self.host.wait_written()
-        keys, _ = self.host.read(first * page, self.host.length)
-        page_min, page_max = retrieval.page_bounds(keys, page)
-        self.page_min[:, :, first : last + 1] = page_min.to(self.device)
-        self.page_max[:, :, first : last + 1] = page_max.to(self.device)
 
     def submit_selection(self, query: torch.Tensor, committed: int) -> None:
         """Schedule the selection for the step whose committed length is `committed` tokens.
@@ -306,12 +309,12 @@ class DualLayer(CacheLayerMixin):
             self.schedule.repair(self.layer_idx, self._selection_job(query, committed, rows), rows)
 
     def _selection_job(self, query: torch.Tensor, committed: int, rows: torch.Tensor | None = None):
-        """A job filling a staging `Selection` `(B, H_kv, budget[, D])` with the top entries for `query`
+        """A job filling a staging `Selection` `(B, H_kv, budget[, D])` with the selector's choice for `query`
         `(B, H_q, D)` among the candidates below `committed - window`, then gathering their K/V from the host.
 
-        With `rows` (`(B,)` bool host, a repair of a strict subset), only those sequences are scored, one at a
-        time on views of the host store (`first_sequence` for the shortlist); the other rows of the staging buffer
-        get placeholder entries (position 0, invalid), which `TransferSchedule.repair` never copies."""
+        With `rows` (`(B,)` bool host, a repair of a strict subset), only those sequences are selected, one at a
+        time (a sequence's selection depends on it alone); the other rows of the staging buffer get placeholder
+        entries (position 0, invalid), which `TransferSchedule.repair` never copies."""
         hi = max(0, committed - self.config.window)
         subset = None if rows is None or bool(rows.all()) else rows.nonzero().flatten().tolist()
         query_ready = None
@@ -322,16 +325,8 @@ class DualLayer(CacheLayerMixin):
             query_ready.record(torch.cuda.current_stream(query.device))
         else:
             host_query = query.detach().to("cpu", torch.float32)
-        host = self.host
-        candidates = self.state.candidates_below(hi)
-        budget, scaling, selector = self.budget, self.scaling, self.config.selector
-        block = self.config.block_size if selector == "block" else 1
-        starts = self.state.first_real if selector == "block" else None  # left padding never moves block edges
-        pages = None
-        channels, keep = self.config.shortlist_channels_for(host.head_dim), self.config.shortlist_factor * budget
-        if selector == "quest" and hi > 0:
-            n_pages = -(-hi // self.config.block_size)
-            pages = (self.page_min[:, :, :n_pages].cpu(), self.page_max[:, :, :n_pages].cpu())
+        host, selector, scaling = self.host, self.selector, self.scaling
+        candidates = Candidates(self.state.candidates_below(hi), self.state.first_real)
 
         def job(staging: Selection) -> None:
             if query_ready is not None:
@@ -340,34 +335,14 @@ class DualLayer(CacheLayerMixin):
                 staging.indices.zero_()
                 staging.valid.zero_()
             else:
-                if not self.device.type == "cpu":
-                    host.wait_written()
-                if pages is not None:
-                    indices, valid = retrieval.select_pages(
-                        host_query, *pages, candidates, budget, self.config.block_size
-                    )
-                elif subset is not None:  # repair of some sequences: a sequence's selection depends on it alone
+                host.wait_written()
+                if subset is None:
+                    indices, valid = selector.select(host_query, candidates, scaling)
+                else:
                     indices, valid = staging.indices.zero_(), staging.valid.zero_()
-                    chunks = host.key_chunks(hi)
                     for row in subset:
                         one = slice(row, row + 1)
-                        if selector == "shortlist":
-                            indices[one], valid[one] = select_shortlisted(
-                                host_query[one], host, candidates[one], hi, budget, channels, keep, scaling, row
-                            )
-                        else:
-                            indices[one], valid[one] = retrieval.select(
-                                host_query[one], [chunk[one] for chunk in chunks], candidates[one], budget,
-                                scaling, block, None if starts is None else starts[one],
-                            )
-                elif selector == "shortlist":
-                    indices, valid = select_shortlisted(
-                        host_query, host, candidates, hi, budget, channels, keep, scaling
-                    )
-                else:
-                    indices, valid = retrieval.select(
-                        host_query, host.key_chunks(hi), candidates, budget, scaling, block, starts
-                    )
+                        indices[one], valid[one] = selector.select(host_query[one], candidates.row(row), scaling)
                 staging.indices.copy_(indices)
                 staging.valid.copy_(valid)
             host.gather(staging.indices, out=(staging.keys, staging.values))
@@ -389,14 +364,12 @@ class DualLayer(CacheLayerMixin):
         n = self.host.length  # includes the q new tokens
         segments = [KVSegment(self.sink_keys, self.sink_values, self.sink_pos, self.sink_valid)]
         if self.budget > 0:
-            if self.config.selector in ("oracle", "quest"):
+            selector = self.selector
+            if not selector.prefetched:  # chosen now, with the real token's query
                 self.scaling = scaling
                 self.submit_selection(query[:, :, 0], committed=n - q)
             selection = self.schedule.acquire(self.layer_idx)
-            every_candidate_fits = (
-                self.config.selector in ("exact", "shortlist") and n - q - self.config.window <= self.budget
-            )
-            if self.config.selector in PREFETCHED_SELECTORS and not every_candidate_fits:  # (else any query picks all)
+            if selector.repairable and not selector.selects_everything(n - q - self.config.window):
                 repair = self._rows_to_repair(query[:, :, 0])
                 if repair is not None:
                     self.repair_selection(query[:, :, 0], n - q, repair)
@@ -427,14 +400,18 @@ class DualLayer(CacheLayerMixin):
 
     @property
     def device_bytes(self) -> int:
-        """Bytes of this layer's device tiers: sink, window ring, Quest page metadata (selection slots are pooled)."""
-        tensors = (self.sink_keys, self.sink_values, self.ring_keys, self.ring_values, self.page_min, self.page_max)
-        return sum(t.nbytes for t in tensors if t is not None)
+        """Bytes of this layer's device tiers: sink, window ring, what the selector keeps there (the Quest
+        baseline's page metadata); selection slots are pooled and counted by the schedule."""
+        tensors = (self.sink_keys, self.sink_values, self.ring_keys, self.ring_values)
+        selector = 0 if self.selector is None else self.selector.device_bytes
+        return sum(t.nbytes for t in tensors if t is not None) + selector
 
     @property
     def host_bytes(self) -> int:
-        """Host bytes of this layer's store (with `selector="shortlist"`, its channel-major keys included)."""
-        return 0 if self.host is None else self.host.nbytes
+        """Host bytes of this layer's store and of its selector's host state (an index, a key copy)."""
+        if self.host is None:
+            return 0
+        return self.host.nbytes + (0 if self.selector is None else self.selector.host_bytes)
 
     def dense_bytes(self) -> int:
         """Bytes a `DynamicCache` layer would hold for the same tokens."""
@@ -448,8 +425,9 @@ class DualLayer(CacheLayerMixin):
         """Release host chunks and device tiers (the token count stays readable)."""
         if self.host is not None:
             self.host.free()
+        if self.selector is not None:
+            self.selector.free()
         self.sink_keys = self.sink_values = self.ring_keys = self.ring_values = None
-        self.page_min = self.page_max = None
         self.chooser_query = None
 
 
@@ -513,6 +491,7 @@ class DualDecoderCache(Cache):
         self.drift_repairs = 0
         self.host_limit: int | None = None
         self.host_claimed = 0
+        self.prompt_tokens = 0  # reserved at once by each host store (`reserve_host`)
         self._final_stats: dict | None = None
         self._timeline: list[dict] = []
         layers: list[CacheLayerMixin] = []
@@ -562,30 +541,36 @@ class DualDecoderCache(Cache):
             )
 
     def host_bytes_needed(self, batch_size: int, tokens: int, dtype: torch.dtype, kv_heads: int | None = None,
-                          head_dim: int | None = None) -> int:
-        """Host bytes the stores of every full-attention layer take for `tokens` tokens of `batch_size` sequences
-        (rounded up to whole chunks)."""
-        chunk = self.dual_config.host_chunk_tokens
-        per_chunk = HostKVStore.chunk_nbytes(
-            batch_size, kv_heads or self.kv_heads, head_dim or self.head_dim, dtype, chunk,
-            channel_major=self.dual_config.selector == "shortlist",
+                          head_dim: int | None = None, prompt_tokens: int = 0) -> int:
+        """Host bytes the stores of every full-attention layer (and their selectors' host state) take for `tokens`
+        tokens of `batch_size` sequences, when the first `prompt_tokens` are reserved at once and the rest arrive
+        a decode step at a time (`host_store.planned_capacity`)."""
+        kv_heads, head_dim = kv_heads or self.kv_heads, head_dim or self.head_dim
+        capacity = planned_capacity(prompt_tokens, tokens, self.dual_config.host_chunk_tokens)
+        store = HostKVStore.chunk_nbytes(batch_size, kv_heads, head_dim, dtype, capacity)
+        selector = SELECTORS[self.dual_config.selector].host_bytes_per_token(
+            self.dual_config, kv_heads, head_dim, torch.empty((), dtype=dtype).element_size()
         )
-        return len(self.dual_layers) * per_chunk * -(-tokens // chunk)
+        retrieving = sum(1 for layer in self.dual_layers if layer.budget > 0)
+        return len(self.dual_layers) * store + int(retrieving * batch_size * capacity * selector)
 
     def reserve_host(self, batch_size: int, tokens: int, dtype: torch.dtype, kv_heads: int | None = None,
-                     head_dim: int | None = None) -> None:
+                     head_dim: int | None = None, prompt_tokens: int | None = None) -> None:
         """Check, before anything is allocated, that `tokens` tokens per sequence fit in host memory.
 
         Uses `max(tokens, max_cache_len)`. The limit is `max_host_bytes`, or 90% of the host memory available at
-        the first check.
+        the first check. With `prompt_tokens`, every layer's host store reserves that many tokens in its first
+        chunk when it is created (the prompt), and grows geometrically from there.
 
         Raises:
             HostMemoryError: naming the bytes needed, the bytes allowed and the knobs to turn.
         """
         if self.host_claimed:
             return  # already allocating: each further chunk is checked by `claim_host_bytes`
+        if prompt_tokens is not None:
+            self.prompt_tokens = prompt_tokens
         tokens = max(tokens, self.max_cache_len or 0)
-        needed = self.host_bytes_needed(batch_size, tokens, dtype, kv_heads, head_dim)
+        needed = self.host_bytes_needed(batch_size, tokens, dtype, kv_heads, head_dim, self.prompt_tokens)
         if self.host_limit is None:
             configured = self.dual_config.max_host_bytes
             self.host_limit = configured if configured is not None else int(0.9 * available_host_bytes())

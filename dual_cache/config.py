@@ -5,16 +5,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
 
 from .kernels import BACKENDS as ATTENTION_KERNELS
+from .selectors import SELECTORS as SELECTOR_CLASSES
 
 SPECULATORS = ("self", "ngram", "none")
-SELECTORS = ("exact", "block", "shortlist", "oracle", "quest")
-PREFETCHED_SELECTORS = ("exact", "block", "shortlist")  # chosen on the host one step ahead, by the speculated token
+SELECTORS = tuple(SELECTOR_CLASSES)
 
 
 @dataclass
@@ -47,7 +48,8 @@ class DualDecoderConfig:
             again with the real token's own query, synchronously, layer by layer (only for the sequences that
             missed, and only in layers whose candidates outnumber their budget). Restores exact-top-k quality on
             miss steps at the cost of a host retrieval on the critical path of those steps; False keeps the step
-            fully pipelined (the paper's method). Applies to the `"self"` and `"ngram"` speculators with the host selectors (`PREFETCHED_SELECTORS`).
+            fully pipelined (the paper's method). Applies to the `"self"` and `"ngram"` speculators with the
+            prefetched selectors (`Selector.prefetched`).
         repair_drift: with `miss_repair`, also repair a layer on a step whose speculated token hit, for the
             sequences whose real query there drifted from the speculated token's query that chose the entries:
             relative L2 distance `‖q − q̂‖ / ‖q‖` over the query heads of a KV head (`query_drift`) at or above
@@ -58,26 +60,36 @@ class DualDecoderConfig:
             (budget 256, results/needle/): 0.4 redoes 1.0% of the hit (step, layer) pairs and answers 13/16 like
             dense, vs 12/16 without it; on 16 other prompts it changes no answer. On CUDA each check reads a
             `(B,)` flag back to the host per layer (a synchronization point).
-        selector: `"exact"` top-k over host keys, `"block"` block-level top-k, `"shortlist"` exact top-k among
-            a shortlist of positions ranked by approximate scores over a few key channels (SparQ-style), reading
-            ~`shortlist_channels / D` of the key bytes instead of all of them (`dual_cache.shortlist`; the host
-            store keeps a channel-major copy of the keys, +50% host bytes), `"oracle"` selects with the
-            real token's own query synchronously at the step that uses it (evaluation upper bound only),
+        selector: how each step's entries are chosen (`dual_cache.selectors`, one class per value):
+            `"clusters"` a host-side index of balanced key clusters, exact top-k among the best clusters' keys
+            (reads a small fraction of the keys; `selectors/clusters.py`); `"exact"` top-k over every host key
+            (the reference); `"block"` block-level top-k; `"shortlist"` exact top-k among positions shortlisted
+            by a few key channels (SparQ-style; a channel-major key copy, +50% host bytes); `"oracle"` the real
+            token's own exact top-k, synchronously at the step that uses it (evaluation upper bound only);
             `"quest"` the Quest baseline (Tang et al., 2024): pages of `block_size` tokens ranked by a min/max
             key bound against the real token's query at the step that uses it; its page metadata counts as
             device bytes (evaluation baseline).
+        cluster_size: `selector="clusters"`: keys per cluster (tokens).
+        cluster_segment: `selector="clusters"`: consecutive positions clustered together, from each sequence's
+            first real token; `cluster_size` times a power of two. Positions past the last complete segment are
+            scored exactly.
+        cluster_factor: `selector="clusters"`: the best clusters' members make a shortlist of
+            `cluster_factor × budget` positions (plus the positions past the last complete segment), among which
+            the exact attention mass picks the budget.
         shortlist_channels: `selector="shortlist"`: query channels scored per KV head in the first stage; None =
             `max(1, head_dim // 8)` (values above `head_dim` act as `head_dim`).
         shortlist_factor: `selector="shortlist"` keeps `shortlist_factor × budget` positions per KV head for the
             exact second stage.
-        retrieval_threads: host threads running retrieval ahead of the compute; 0 runs retrieval
-            synchronously on the calling thread (the reference path; identical tokens); None picks 1 when the
-            model runs on CUDA and 0 on CPU (where the thread only competes with the compute for cores).
+        retrieval_threads: host threads running retrieval jobs ahead of the compute, several layers at once; 0
+            runs each job synchronously on the calling thread (the reference path; identical tokens and
+            selections for any count); None picks the host's cores when the model runs on CUDA and 0 on CPU
+            (where retrieval threads only compete with the compute for cores).
         prefill_chunk_size: prompt tokens per prefill forward pass (tokens).
         ngram_size: maximum n-gram length matched by the `"ngram"` speculator (tokens).
         prefill_progress: show a tqdm progress bar over prefill chunks.
-        host_chunk_tokens: the host store grows in chunks of this many tokens (appending never copies what is
-            stored).
+        host_chunk_tokens: the largest growth step of a host store (tokens): its first chunk holds the prompt,
+            later chunks add half the capacity, at least 64 and at most this many tokens (appending never copies
+            what is stored; `host_store.next_chunk_tokens`).
         max_host_bytes: host bytes the cache may allocate (all layers); None = 90% of the memory available when
             the cache is sized. A request that cannot fit raises `HostMemoryError` before anything is allocated.
         record_timeline: keep a per-(step, layer) timeline of retrieval, copy and attention (`cache.timeline()`).
@@ -103,6 +115,9 @@ class DualDecoderConfig:
     selector: str = "exact"
     shortlist_channels: int | None = None
     shortlist_factor: int = 8
+    cluster_size: int = 16
+    cluster_segment: int = 1024
+    cluster_factor: int = 8
     retrieval_threads: int | None = None
     prefill_chunk_size: int = 8192
     ngram_size: int = 3
@@ -153,7 +168,7 @@ class DualDecoderConfig:
     def threads_for(self, device: torch.device) -> int:
         """Retrieval threads to use for a model on `device` (resolves `retrieval_threads=None`)."""
         if self.retrieval_threads is None:
-            return 1 if device.type == "cuda" else 0
+            return (os.cpu_count() or 1) if device.type == "cuda" else 0
         return self.retrieval_threads
 
     def validate(self) -> None:
@@ -178,6 +193,9 @@ class DualDecoderConfig:
         if self.shortlist_channels is not None:
             _int("shortlist_channels", self.shortlist_channels, 1)
         _int("shortlist_factor", self.shortlist_factor, 1)
+        _int("cluster_size", self.cluster_size, 1)
+        _int("cluster_segment", self.cluster_segment, 1)
+        _int("cluster_factor", self.cluster_factor, 1)
         _int("ngram_size", self.ngram_size, 1)
         _int("lookahead", self.lookahead, 0)
         _int("host_chunk_tokens", self.host_chunk_tokens, 1)
@@ -190,11 +208,6 @@ class DualDecoderConfig:
             )
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(f"`attention_kernel` must be one of {ATTENTION_KERNELS}, got {self.attention_kernel!r}.")
-        if self.retrieval_threads is not None and self.retrieval_threads > 1:
-            raise ValueError(
-                "`retrieval_threads` must be 0 (synchronous) or 1: layers are retrieved in order by one host "
-                f"thread, whose torch ops are themselves multi-threaded; got {self.retrieval_threads}."
-            )
         for layer_idx, layer_budget in self.layer_budgets.items():
             _int(f"layer_budgets[{layer_idx}]", layer_budget, 0)
             if layer_idx < 0:
@@ -216,15 +229,7 @@ class DualDecoderConfig:
             raise ValueError(f"`speculator` must be one of {SPECULATORS}, got {self.speculator!r}.")
         if self.selector not in SELECTORS:
             raise ValueError(f"`selector` must be one of {SELECTORS}, got {self.selector!r}.")
-        if self.selector in ("block", "quest"):
-            for name, value in [("budget", self.budget), ("early_layer_budget", self.early_layer_budget), *[
-                (f"layer_budgets[{i}]", b) for i, b in self.layer_budgets.items()
-            ]]:
-                if value % self.block_size:
-                    raise ValueError(
-                        f"`{name}`={value} must be a multiple of `block_size`={self.block_size} with "
-                        f"selector={self.selector!r}; change the budget or the block size."
-                    )
+        SELECTOR_CLASSES[self.selector].check_config(self)
         for name in ("prefill_progress", "record_timeline", "miss_repair"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")

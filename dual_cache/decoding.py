@@ -113,7 +113,7 @@ def dual_sample(
     total_tokens = max(generation_config.max_length, prompt_len) + 1
     cache.max_cache_len = cache.max_cache_len or total_tokens
     try:
-        cache.reserve_host(batch, total_tokens, model.dtype)
+        cache.reserve_host(batch, total_tokens, model.dtype, prompt_tokens=prompt_len)
         with dual_attention_enabled(model), torch.inference_mode():
             chunk = config.prefill_chunk_size
             starts = range(0, prompt_len, chunk)

@@ -1,6 +1,9 @@
-"""Host-memory KV storage of one layer: every key and value of every sequence, in fixed-size chunks.
+"""Host-memory KV storage of one layer: every key and value of every sequence, in chunks of tokens.
 
-Appending never moves what is stored: the store grows by whole chunks of `chunk_tokens` tokens. On CUDA machines
+Appending never moves what is stored: the store grows by whole chunks. The first chunk is sized to the request
+(`reserve`, e.g. the prompt length), later ones geometrically (half the capacity, between `MIN_GROWTH` and
+`chunk_tokens` tokens), so a short request holds about what it stores and a long one stays in few chunks (each
+chunk is one `index_select` in a gather). On CUDA machines
 each chunk is ordinary (pageable) memory registered with the driver (`cudaHostRegister`), so host→device copies
 from it can be asynchronous without the power-of-two rounding of torch's pinned-memory caching allocator (a
 `(3, 8, 4096, 128)` bf16 chunk is 24 MiB; the caching allocator would reserve 32 MiB for it).
@@ -10,6 +13,7 @@ Process-wide accounting of live host bytes (`live_host_bytes()`) lets tests and 
 
 from __future__ import annotations
 
+import bisect
 import threading
 import weakref
 from typing import Callable, Sequence
@@ -18,11 +22,37 @@ import torch
 
 _live_lock = threading.Lock()
 _live_bytes = 0
+MIN_GROWTH = 64  # tokens: the smallest chunk added when the store grows (unless `chunk_tokens` is smaller)
+
+
+def next_chunk_tokens(capacity: int, chunk_tokens: int) -> int:
+    """Tokens of the chunk a store holding `capacity` tokens adds when it grows (with `chunk_tokens` the cap)."""
+    return min(chunk_tokens, max(MIN_GROWTH, capacity // 2))
+
+
+def planned_capacity(reserved: int, tokens: int, chunk_tokens: int) -> int:
+    """Capacity (tokens) a store reaches when it reserves `reserved` tokens, then stores `tokens` tokens one
+    decode step at a time (`HostKVStore.reserve`, then growth by `next_chunk_tokens`)."""
+    capacity = reserved
+    while capacity < tokens:
+        capacity += next_chunk_tokens(capacity, chunk_tokens)
+    return capacity
 
 
 def live_host_bytes() -> int:
-    """Bytes currently allocated by all `HostKVStore`s of this process (keys + values, registered or not)."""
+    """Bytes currently allocated by all `HostKVStore`s of this process (keys + values, registered or not) and by
+    selectors' host state (`host_tensor`)."""
     return _live_bytes
+
+
+def host_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled host tensor whose bytes count in `live_host_bytes()` until it is garbage collected (selector
+    indexes and key copies)."""
+    tensor = torch.zeros(tuple(shape), dtype=dtype)
+    nbytes = tensor.untyped_storage().nbytes()
+    _account(nbytes)
+    weakref.finalize(tensor, _account, -nbytes)
+    return tensor
 
 
 def _account(delta: int) -> None:
@@ -38,9 +68,7 @@ def _register(tensor: torch.Tensor) -> None:
         raise RuntimeError(f"cudaHostRegister failed with CUDA error {int(result)}.")
 
 
-def _release(
-    chunks: list[tuple[torch.Tensor, torch.Tensor]], registered: bool, channel_chunks: list[torch.Tensor]
-) -> None:
+def _release(chunks: list[tuple[torch.Tensor, torch.Tensor]], registered: bool) -> None:
     """Unregister (if registered) and drop every chunk; runs once, from `free()` or when the store is collected."""
     freed = 0
     for keys, values in chunks:
@@ -48,9 +76,7 @@ def _release(
             if registered:
                 torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
             freed += tensor.untyped_storage().nbytes()
-    freed += sum(tensor.untyped_storage().nbytes() for tensor in channel_chunks)
     chunks.clear()
-    channel_chunks.clear()
     _account(-freed)
 
 
@@ -62,13 +88,10 @@ class HostKVStore:
         kv_heads: key/value heads H_kv.
         head_dim: D.
         dtype: storage dtype (the model's K/V dtype).
-        chunk_tokens: tokens per chunk (the growth step).
+        chunk_tokens: the largest growth step (tokens); see `next_chunk_tokens`.
         page_lock: register chunks with CUDA (only when CUDA is available).
         on_alloc: called with the byte size of each chunk (keys + values) before it is allocated; may raise to
             refuse it (the cache's host-memory limit).
-        channel_major: also keep a channel-major copy of the keys, `(B, H_kv, D, chunk_tokens)` per chunk, for
-            reading a few channels of every key (`channel_products`; the `"shortlist"` selector). It is filled lazily
-            from the keys, on the thread that reads it, and counted in every byte figure (never page-locked).
 
     Raises:
         ValueError: if a size argument is not positive.
@@ -83,7 +106,6 @@ class HostKVStore:
         chunk_tokens: int,
         page_lock: bool = False,
         on_alloc: Callable[[int], None] | None = None,
-        channel_major: bool = False,
     ) -> None:
         if min(batch_size, kv_heads, head_dim, chunk_tokens) <= 0:
             raise ValueError(
@@ -96,42 +118,47 @@ class HostKVStore:
         self.chunk_tokens = chunk_tokens
         self.page_lock = page_lock and torch.cuda.is_available()
         self.on_alloc = on_alloc
-        self.channel_major = channel_major
         self.length = 0
-        self.channel_length = 0  # positions copied into the channel-major keys so far
         self._written: torch.cuda.Event | None = None
         self._chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._channel_chunks: list[torch.Tensor] = []
-        self._finalizer = weakref.finalize(self, _release, self._chunks, self.page_lock, self._channel_chunks)
+        self._starts: list[int] = []  # first position of each chunk
+        self.capacity = 0  # allocated tokens per (sequence, KV head)
+        self._finalizer = weakref.finalize(self, _release, self._chunks, self.page_lock)
 
     @staticmethod
-    def chunk_nbytes(batch_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, chunk_tokens: int,
-                     channel_major: bool = False) -> int:
-        """Bytes of one chunk (keys + values, and the channel-major keys when kept)."""
-        copies = 3 if channel_major else 2
-        return copies * batch_size * kv_heads * chunk_tokens * head_dim * torch.empty((), dtype=dtype).element_size()
+    def chunk_nbytes(batch_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, chunk_tokens: int) -> int:
+        """Bytes of a chunk of `chunk_tokens` tokens (keys + values)."""
+        return 2 * batch_size * kv_heads * chunk_tokens * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def chunk_spans(self) -> list[tuple[int, int]]:
+        """`(first position, tokens)` of every allocated chunk, in order."""
+        return [(start, keys.shape[2]) for start, (keys, _) in zip(self._starts, self._chunks)]
 
     @property
-    def capacity(self) -> int:
-        """Allocated tokens per (sequence, KV head)."""
-        return len(self._chunks) * self.chunk_tokens
+    def element_size(self) -> int:
+        """Bytes of one stored element."""
+        return torch.empty((), dtype=self.dtype).element_size()
 
     @property
     def nbytes(self) -> int:
-        """Allocated host bytes: keys, values and the channel-major keys."""
-        return sum(k.nbytes + v.nbytes for k, v in self._chunks) + sum(c.nbytes for c in self._channel_chunks)
+        """Allocated host bytes: keys and values."""
+        return sum(k.nbytes + v.nbytes for k, v in self._chunks)
 
-    def _grow(self) -> None:
+    def reserve(self, tokens: int) -> None:
+        """Make room for `tokens` tokens per sequence now, in one chunk (no-op when the capacity suffices)."""
+        if tokens > self.capacity:
+            self._grow(tokens - self.capacity)
+
+    def _grow(self, tokens: int) -> None:
+        """Add a chunk of `tokens` tokens."""
         if self._finalizer.alive is False:
             raise RuntimeError("This HostKVStore was freed; create a new cache to store more tokens.")
-        shape = (*self.shape_prefix, self.chunk_tokens, self.head_dim)
-        nbytes = self.chunk_nbytes(*self.shape_prefix, self.head_dim, self.dtype, self.chunk_tokens, self.channel_major)
+        shape = (*self.shape_prefix, tokens, self.head_dim)
+        nbytes = self.chunk_nbytes(*self.shape_prefix, self.head_dim, self.dtype, tokens)
         if self.on_alloc is not None:
             self.on_alloc(nbytes)
         keys = torch.empty(shape, dtype=self.dtype)
         values = torch.empty(shape, dtype=self.dtype)
-        channels = torch.empty(*self.shape_prefix, self.head_dim, self.chunk_tokens, dtype=self.dtype) \
-            if self.channel_major else None
         registered = []
         try:
             if self.page_lock:
@@ -144,20 +171,20 @@ class HostKVStore:
             raise
         _account(nbytes)
         self._chunks.append((keys, values))
-        if channels is not None:
-            self._channel_chunks.append(channels)
+        self._starts.append(self.capacity)
+        self.capacity += tokens
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append `(B, H_kv, q, D)` keys/values (any device) at positions `[length, length + q)`."""
         q = keys.shape[2]
+        if self.length + q > self.capacity:
+            short = self.length + q - self.capacity
+            self._grow(max(short, next_chunk_tokens(self.capacity, self.chunk_tokens)))
         done = 0
         while done < q:
-            position = self.length + done
-            chunk, offset = divmod(position, self.chunk_tokens)
-            while chunk >= len(self._chunks):
-                self._grow()
-            take = min(q - done, self.chunk_tokens - offset)
+            chunk, offset = self._locate(self.length + done)
             chunk_keys, chunk_values = self._chunks[chunk]
+            take = min(q - done, chunk_keys.shape[2] - offset)
             chunk_keys[:, :, offset : offset + take].copy_(keys[:, :, done : done + take], non_blocking=True)
             chunk_values[:, :, offset : offset + take].copy_(values[:, :, done : done + take], non_blocking=True)
             done += take
@@ -165,6 +192,11 @@ class HostKVStore:
             self._written = torch.cuda.Event()
             self._written.record(torch.cuda.current_stream(keys.device))
         self.length += q
+
+    def _locate(self, position: int) -> tuple[int, int]:
+        """`(chunk, offset)` of an allocated `position`."""
+        chunk = bisect.bisect_right(self._starts, position) - 1
+        return chunk, position - self._starts[chunk]
 
     def wait_written(self) -> None:
         """Block the calling (host) thread until every appended token has landed in host memory (CUDA only)."""
@@ -176,50 +208,6 @@ class HostKVStore:
         if not 0 <= n_tokens <= self.length:
             raise ValueError(f"Cannot crop {n_tokens} tokens from a store holding {self.length}.")
         self.length -= n_tokens
-        self.channel_length = min(self.channel_length, self.length)
-
-    def channel_products(
-        self, left: torch.Tensor, channels: torch.Tensor, hi: int, first_sequence: int = 0
-    ) -> torch.Tensor:
-        """`left @ keys[..., channels]ᵀ` over positions `[0, hi)`, reading only those channels of the keys from the
-        channel-major copy (filled up to `hi` first).
-
-        Args:
-            left: `(B, H_kv, G, r)` in the store's dtype (e.g. the query's values at those channels).
-            channels: `(B, H_kv, r)` int64 channel indices in `[0, D)`, per sequence and KV head.
-            hi: positions read, `<= length`.
-            first_sequence: the `B` rows are the store's sequences `first_sequence, first_sequence + 1, …`.
-
-        Returns:
-            `(B, H_kv, G, hi)` float32 (products computed in the store's dtype). Per chunk, the `r` channel rows are
-            copied whole with `index_select` into one reused buffer, then multiplied.
-
-        Raises:
-            RuntimeError: if the store was built without `channel_major=True`.
-            ValueError: if `hi` is outside `[0, length]` or the rows lie outside the store's batch.
-        """
-        if not self.channel_major:
-            raise RuntimeError("This HostKVStore keeps no channel-major keys; build it with channel_major=True.")
-        if not 0 <= hi <= self.length:
-            raise ValueError(f"Cannot read positions [0, {hi}) from a store holding {self.length}.")
-        while self.channel_length < hi:  # transpose the keys appended since the last read, chunk by chunk
-            chunk, offset = divmod(self.channel_length, self.chunk_tokens)
-            take = min(hi - self.channel_length, self.chunk_tokens - offset)
-            keys = self._chunks[chunk][0][:, :, offset : offset + take]
-            self._channel_chunks[chunk][:, :, :, offset : offset + take].copy_(keys.transpose(-1, -2))
-            self.channel_length += take
-        batch, kv_heads, r = channels.shape
-        first = self.first_row(first_sequence, batch)
-        rows = ((first + torch.arange(batch * kv_heads)).view(batch, kv_heads, 1) * self.head_dim + channels).flatten()
-        out = torch.empty(*left.shape[:-1], hi, dtype=torch.float32)
-        scratch = torch.empty(rows.numel(), self.chunk_tokens, dtype=self.dtype)  # reused: no per-chunk allocation
-        for start in range(0, hi, self.chunk_tokens):
-            width = min(self.chunk_tokens, hi - start)
-            source = self._channel_chunks[start // self.chunk_tokens].view(-1, self.chunk_tokens)
-            torch.index_select(source, 0, rows, out=scratch)
-            part = scratch.view(batch, kv_heads, r, self.chunk_tokens)[..., :width]
-            out[..., start : start + width].copy_(torch.matmul(left, part))
-        return out
 
     def key_chunks(self, hi: int) -> list[torch.Tensor]:
         """Views of the keys of positions `[0, hi)`, one `(B, H_kv, n_i, D)` view per chunk (no copy)."""
@@ -227,9 +215,11 @@ class HostKVStore:
 
     def _views(self, which: int, hi: int) -> list[torch.Tensor]:
         views = []
-        for start in range(0, hi, self.chunk_tokens):
-            chunk = self._chunks[start // self.chunk_tokens][which]
-            views.append(chunk[:, :, : min(self.chunk_tokens, hi - start)])
+        for start, (keys, values) in zip(self._starts, self._chunks):
+            if start >= hi:
+                break
+            chunk = keys if which == 0 else values
+            views.append(chunk[:, :, : min(chunk.shape[2], hi - start)])
         return views
 
     def read(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,11 +227,13 @@ class HostKVStore:
         lies in one chunk, else a copy)."""
         if not 0 <= lo <= hi <= self.length:
             raise ValueError(f"Cannot read positions [{lo}, {hi}) from a store holding {self.length}.")
-        first, last = lo // self.chunk_tokens, max(lo, hi - 1) // self.chunk_tokens
-        if first == last and self._chunks:
-            offset = first * self.chunk_tokens
-            keys, values = self._chunks[first]
-            return keys[:, :, lo - offset : hi - offset], values[:, :, lo - offset : hi - offset]
+        if not self._chunks:
+            empty = torch.empty(*self.shape_prefix, 0, self.head_dim, dtype=self.dtype)
+            return empty, empty
+        first, offset = self._locate(lo)
+        keys, values = self._chunks[first]
+        if hi - lo <= keys.shape[2] - offset:
+            return keys[:, :, offset : offset + hi - lo], values[:, :, offset : offset + hi - lo]
         keys = torch.cat(self._views(0, hi), dim=2)[:, :, lo:]
         values = torch.cat(self._views(1, hi), dim=2)[:, :, lo:]
         return keys, values
@@ -282,24 +274,30 @@ class HostKVStore:
 
     def _gather(self, which: int, indices: torch.Tensor, out: torch.Tensor | None, first: int = 0) -> torch.Tensor:
         """Rows of keys (`which=0`) or values (1) at `indices` `(b, H_kv, k)`, copied whole (`D` contiguous elements
-        each) with `index_select` from each chunk viewed as `(B·H_kv·chunk_tokens, D)`; `first` is the flat
+        each) with `index_select` from each chunk viewed as `(B·H_kv·tokens, D)`; `first` is the flat
         `(sequence, KV head)` row of `indices`' first row."""
         shape = (*indices.shape, self.head_dim)
         target = out if out is not None else torch.empty(shape, dtype=self.dtype)
         flat_out = target.view(-1, self.head_dim)  # (a non-contiguous `out` raises here)
+        if not indices.numel():
+            return target
         batch, kv_heads = indices.shape[:2]
-        chunk_ids = indices // self.chunk_tokens
-        base = (first + torch.arange(batch * kv_heads)).view(batch, kv_heads, 1) * self.chunk_tokens
-        rows = (base + indices - chunk_ids * self.chunk_tokens).flatten()
-        chunk_ids = chunk_ids.flatten()
-        used = range(int(chunk_ids.min()), int(chunk_ids.max()) + 1) if indices.numel() else range(0)
-        for chunk in used:
-            source = self._chunks[chunk][which].view(-1, self.head_dim)
-            if len(used) == 1:
-                torch.index_select(source, 0, rows, out=flat_out)
-            else:
-                inside = (chunk_ids == chunk).nonzero().flatten()
-                flat_out.index_copy_(0, inside, source.index_select(0, rows[inside]))
+        sequences = (first + torch.arange(batch * kv_heads)).view(batch, kv_heads, 1)
+        if len(self._chunks) == 1 or int(indices.max()) < self._starts[1]:  # one chunk: one index_select
+            tokens = self._chunks[0][which].shape[2]
+            rows = (sequences * tokens + indices).flatten()
+            torch.index_select(self._chunks[0][which].view(-1, self.head_dim), 0, rows, out=flat_out)
+            return target
+        starts = torch.tensor(self._starts)
+        chunk_ids = torch.bucketize(indices, starts, right=True) - 1
+        flat_ids = chunk_ids.flatten()
+        for chunk in range(int(flat_ids.min()), int(flat_ids.max()) + 1):
+            inside = (flat_ids == chunk).nonzero().flatten()
+            if not len(inside):
+                continue
+            source = self._chunks[chunk][which]
+            rows = (sequences * source.shape[2] + indices - self._starts[chunk]).flatten()[inside]
+            flat_out.index_copy_(0, inside, source.view(-1, self.head_dim).index_select(0, rows))
         return target
 
     def free(self) -> None:

@@ -16,7 +16,9 @@ def _logits(query: torch.Tensor, keys: Keys) -> torch.Tensor:
     """`(B, H_kv, G, n)` float32 query·key products, keys given whole or as chunks along the position axis.
 
     Each chunk's product is written into its slice of one float32 tensor (`torch.cat` of bf16 parts followed by
-    `.float()` measured ~10× slower on CPU for 16M products)."""
+    `.float()` measured ~10× slower on CPU for 16M products). A chunk that is a prefix view of a larger store
+    chunk (its batch stride is not that of a contiguous tensor) is multiplied one `(sequence, KV head)` matrix at
+    a time: a batched product of such a view copies the whole view first on CPU (measured ~9× slower)."""
     chunks = [keys] if isinstance(keys, torch.Tensor) else list(keys)
     batch, q_heads, dim = query.shape
     kv_heads = chunks[0].shape[1]
@@ -24,8 +26,14 @@ def _logits(query: torch.Tensor, keys: Keys) -> torch.Tensor:
     out = torch.empty(batch, kv_heads, q_heads // kv_heads, sum(c.shape[2] for c in chunks), dtype=torch.float32)
     start = 0
     for chunk in chunks:
-        out[..., start : start + chunk.shape[2]].copy_(torch.matmul(grouped, chunk.transpose(-1, -2)))
-        start += chunk.shape[2]
+        end = start + chunk.shape[2]
+        if chunk.is_contiguous():
+            out[..., start:end].copy_(torch.matmul(grouped, chunk.transpose(-1, -2)))
+        else:
+            for b in range(batch):
+                for h in range(kv_heads):
+                    out[b, h, :, start:end].copy_(torch.mm(grouped[b, h], chunk[b, h].T))
+        start = end
     return out
 
 
@@ -58,15 +66,40 @@ def select_topk(mass: torch.Tensor, candidates: torch.Tensor, budget: int) -> tu
         beyond the number of candidates are marked invalid (their index is an arbitrary in-range position).
     """
     batch, kv_heads, n = mass.shape
-    k = min(budget, n)
-    top = torch.topk(mass, k, dim=-1, sorted=False).indices
+    top = torch.topk(mass, min(budget, n), dim=-1, sorted=False).indices
     indices, _ = torch.sort(top, dim=-1)
     valid = torch.gather(candidates[:, None, :].expand(batch, kv_heads, n), 2, indices)
-    if k < budget:
-        pad = budget - k
-        indices = torch.cat([indices, indices.new_zeros(batch, kv_heads, pad)], dim=-1)
-        valid = torch.cat([valid, valid.new_zeros(batch, kv_heads, pad)], dim=-1)
-    return indices, valid
+    return pad_selection(indices, valid, budget)
+
+
+def select_among(
+    mass: torch.Tensor, positions: torch.Tensor, usable: torch.Tensor, budget: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-`budget` of a shortlist: the entries of highest `mass` among `positions`.
+
+    Args:
+        mass: `(B, H_kv, m)` float scores of the shortlisted entries (e.g. `group_attention_mass` over their keys).
+        positions: `(B, H_kv, m)` int64 positions of those entries; usable: `(B, H_kv, m)` bool, False where an
+            entry may not be selected (its mass should be 0).
+
+    Returns:
+        `(indices, valid)` as `select_topk`: `(B, H_kv, budget)`, valid positions ascending, invalid slots 0.
+    """
+    top = torch.topk(mass, min(budget, mass.shape[-1]), dim=-1, sorted=False).indices
+    valid = torch.gather(usable, 2, top)
+    indices = torch.where(valid, torch.gather(positions, 2, top), torch.zeros_like(top))
+    indices, order = torch.sort(indices, dim=-1)
+    return pad_selection(indices, torch.gather(valid, 2, order), budget)
+
+
+def pad_selection(indices: torch.Tensor, valid: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Widen `(B, H_kv, k)` `indices` / `valid` to `budget` slots with invalid entries at position 0."""
+    short = budget - indices.shape[-1]
+    if short <= 0:
+        return indices, valid
+    batch, kv_heads = indices.shape[:2]
+    return (torch.cat([indices, indices.new_zeros(batch, kv_heads, short)], dim=-1),
+            torch.cat([valid, valid.new_zeros(batch, kv_heads, short)], dim=-1))
 
 
 def select_blocks(
@@ -110,11 +143,7 @@ def _top_blocks(
     in_range = indices < n
     indices = torch.where(in_range, indices, torch.zeros_like(indices))
     valid = in_range & torch.gather(candidates[:, None, :].expand(batch, kv_heads, n), 2, indices)
-    short = budget - indices.shape[-1]
-    if short:
-        indices = torch.cat([indices, indices.new_zeros(batch, kv_heads, short)], dim=-1)
-        valid = torch.cat([valid, valid.new_zeros(batch, kv_heads, short)], dim=-1)
-    return indices, valid
+    return pad_selection(indices, valid, budget)
 
 
 def page_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,8 +1,10 @@
-"""Transfer schedule (DESIGN.md §2, steps 1 and 3): retrieval jobs on a host thread, their results copied into a
-layer-scoped device buffer pool `lookahead` layers before the layer needs them.
+"""Transfer schedule (DESIGN.md §2, steps 1 and 3): retrieval jobs on a pool of host threads, their results copied
+into a layer-scoped device buffer pool `lookahead` layers before the layer needs them.
 
-Per decode step every full-attention layer `l` with a budget uses one selection. Its retrieval job (top-k over the
-host keys, gather into the layer's host staging buffer) is submitted during the previous step; its host→device copy
+Per decode step every full-attention layer `l` with a budget uses one selection. Its retrieval job (the selector's
+choice, gather into the layer's host staging buffer) is submitted during the previous step and runs on one of
+`threads` host threads, so several layers' jobs are in flight at once (each job touches only its own layer's
+store, index and staging buffer, so the result does not depend on which thread runs it or when); its host→device copy
 is issued when layer `l - lookahead` (cyclically, across steps) acquires its own selection, into the next slot of a
 pool of `layers_in_flight` device slots taken round-robin in order of use; the compute side waits for that copy only
 when layer `l` acquires. A slot is overwritten only after the attention of its previous user was queued
@@ -77,7 +79,9 @@ class TransferSchedule:
         slot_tokens: entries per (sequence, KV head) of each device slot: the largest layer budget.
         layers_in_flight: device slots of the pool.
         lookahead: layers between issuing a copy and using it; `< layers_in_flight`.
-        threads: 0 runs each job synchronously at `submit` (the reference path); 1 runs jobs on a host thread.
+        threads: 0 runs each job synchronously at `submit` (the reference path); N ≥ 1 runs jobs on a pool of N
+            host threads. With N ≥ 2 each pool thread runs its torch ops single-threaded (parallelism comes from
+            the jobs; torch's intra-op thread count is per thread), with N = 1 at torch's intra-op thread count.
         record_timeline: keep a per-(step, layer) record of every phase (`timeline()`).
 
     Raises:
@@ -109,7 +113,10 @@ class TransferSchedule:
         self.record_timeline = record_timeline
         self._cuda = self.device.type == "cuda"
         self._executor = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="dual-retriever") if threads > 0 else None
+            ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dual-retriever",
+                               initializer=torch.set_num_threads if threads > 1 else None,
+                               initargs=(1,) if threads > 1 else ())
+            if threads > 0 else None
         )
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._pending: dict[int, tuple[Future | None, _Record]] = {}

@@ -1,21 +1,24 @@
-"""Host retrieval cost per decode step: exact top-k over every host key vs the two-stage `"shortlist"` selector.
+"""Host retrieval cost per decode step, selector by selector, on random keys of a given model shape.
 
-    python -m dual_cache.eval.bench_retrieval --contexts 32768 131072 --batches 1 4 --threads 2 \
-        --out results/bench/host-retrieval
+    python -m dual_cache.eval.bench_retrieval --contexts 32768 131072 --batches 1 8 \
+        --selectors exact clusters --pools 1 2 --out results/bench/host-retrieval
 
 On an H200 the dual cache decoded a Llama-3.1-8B-shaped model at 32K tokens at 2 tokens/s because the host scored
-every key of every layer each step (results/gpu/h200-32k.md). This measures that host work alone, on this machine's
-CPU, for one layer of a given shape (default: Llama-3.1-8B, 32 query / 8 KV heads of 128, bf16, 32 layers), and
-scales it to a step (× layers, as the retriever thread runs the layers one after the other):
+every key of every layer each step (results/gpu/h200-32k.md). This measures that host work alone on this machine's
+CPU: per cell, `--distinct-layers` layers' host stores of `context` random keys (default shape: Llama-3.1-8B, 32
+query / 8 KV heads of 128, bf16), each with its own selector (`dual_cache.selectors`). A timed step appends one token
+to every store, then runs every layer's retrieval job — the selector's choice for a random query among the positions
+past the sink and before the local window, then the gather of the chosen K/V into a staging buffer — on a pool of
+`--pools` threads (1: one thread at torch's intra-op thread count; N > 1: N threads of one intra-op thread each, as
+`TransferSchedule` runs them). Distinct layers keep each selector's index out of the CPU caches as in decoding;
+the step time is scaled to `--layers` layers.
 
-- `exact`: `retrieval.select` over the layer's host keys, then the gather of the chosen K/V (what a job does);
-- `shortlist`: `shortlist.select_shortlisted` (approximate scores over `--channels` key channels → `--factor` ×
-  budget positions → exact top-k among them), then the same gather. Each repeat advances the context by one token,
-  so the channel-major key copy is extended as in decoding (the one-time copy of the prompt is excluded: it
-  happens once per request, not per step).
-
-Keys are random (timings do not depend on their values). Prints a table (ms per layer, median over `--repeats`;
-ms per step; key bytes read per step; ratio exact/shortlist) and writes `<out>.json` and `<out>.md`.
+Per row: `ms_per_step` (median over `--repeats`, after one warm-up), `ms_per_layer`, `key_mib_read_per_step` (key
+bytes a step reads: every key for `exact`; the channels and shortlisted keys for `shortlist`; the cluster summaries,
+the shortlisted clusters' keys and the unclustered tail for `clusters`), `index_host_bytes` (per layer, beyond the
+K/V) and `index_fraction` (of the layer's K/V bytes), `build_ms_per_1k_tokens` (building the index over the prompt,
+per layer, per sequence), and `exact / this` from the same run. Timings do not depend on key values; quality is
+measured on real keys by `dual_cache.eval.selection_recall`. Writes `<out>.json` and `<out>.md`.
 """
 
 from __future__ import annotations
@@ -25,20 +28,23 @@ import json
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ..config import DualDecoderConfig
 from ..host_store import HostKVStore
-from ..retrieval import select
-from ..shortlist import select_shortlisted
+from ..selectors import SELECTORS, Candidates
 from .outputs import write_rows_and_table
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PREFETCHED = [name for name, cls in SELECTORS.items() if cls.prefetched]
 
 
-def _layer(batch: int, kv_heads: int, dim: int, tokens: int, dtype: torch.dtype, seed: int) -> HostKVStore:
-    store = HostKVStore(batch, kv_heads, dim, dtype, chunk_tokens=4096, channel_major=True)
+def _store(batch: int, kv_heads: int, dim: int, tokens: int, capacity: int, dtype: torch.dtype,
+           seed: int) -> HostKVStore:
+    store = HostKVStore(batch, kv_heads, dim, dtype, chunk_tokens=4096)
+    store.reserve(capacity)
     gen = torch.Generator().manual_seed(seed)
     for lo in range(0, tokens, 4096):
         block = torch.randn(batch, kv_heads, min(4096, tokens - lo), dim, generator=gen).to(dtype)
@@ -46,45 +52,78 @@ def _layer(batch: int, kv_heads: int, dim: int, tokens: int, dtype: torch.dtype,
     return store
 
 
-def measure(context: int, batch: int, selector: str, args: argparse.Namespace) -> dict:
-    """One cell: the median seconds of one layer's retrieval job at `context` tokens, and what it reads."""
+def key_bytes_read(selector, config: DualDecoderConfig, batch: int, hi: int, kv_heads: int, dim: int,
+                   element: int) -> float:
+    """Key bytes one layer's selection reads at `hi` selectable positions (all KV heads, the whole batch)."""
+    row = kv_heads * element  # one element of every KV head
+    if selector.name == "shortlist" and selector.keep < hi:
+        channels = min(selector.channels, dim)
+        return batch * row * (hi * channels + selector.keep * dim)
+    if selector.name == "quest":  # the page bounds only (kept on the device by Quest)
+        return batch * row * -(-hi // config.block_size) * 2 * dim
+    if selector.name == "clusters" and selector.keep_clusters * selector.cluster_size < hi:
+        clustered = (hi // config.cluster_segment) * config.cluster_segment
+        summaries = clustered // config.cluster_size * 2 * dim
+        return batch * row * (summaries + (selector.keep_clusters * config.cluster_size + hi - clustered) * dim)
+    return batch * row * hi * dim
+
+
+def measure(context: int, batch: int, selector_name: str, pool: int, args: argparse.Namespace) -> dict:
+    """One cell: median wall seconds of one step's retrieval jobs over `args.distinct_layers` layers."""
     dtype = DTYPES[args.dtype]
-    store = _layer(batch, args.kv_heads, args.head_dim, context + args.repeats + 1, dtype, seed=context + batch)
-    channels = DualDecoderConfig(shortlist_channels=args.channels).shortlist_channels_for(args.head_dim)
-    channels, keep = min(channels, args.head_dim), args.factor * args.budget
-    two_stage = selector == "shortlist" and keep < context - args.window  # else the shortlist is the exact path
+    config = DualDecoderConfig(selector=selector_name, **args.options)
+    steps = args.repeats + 1
+    stores = [_store(batch, args.kv_heads, args.head_dim, context, context + steps, dtype, seed=context + layer)
+              for layer in range(args.distinct_layers)]
+    first_real = torch.zeros(batch, dtype=torch.long)
+    selectors = [SELECTORS[selector_name](config, args.budget, store, "cpu") for store in stores]
+    start = time.perf_counter()
+    for selector in selectors:
+        selector.extend(context, first_real)
+    build = time.perf_counter() - start
     query = torch.randn(batch, args.heads, args.head_dim, generator=torch.Generator().manual_seed(batch))
-    staging = [torch.empty(batch, args.kv_heads, args.budget, args.head_dim, dtype=dtype) for _ in range(2)]
+    staging = [[torch.empty(batch, args.kv_heads, args.budget, args.head_dim, dtype=dtype) for _ in range(2)]
+               for _ in stores]
     scaling = args.head_dim ** -0.5
-    element = torch.empty((), dtype=dtype).element_size()
-    if selector == "shortlist":  # the prompt's channel-major copy: made once per request
-        store.channel_products(torch.zeros(batch, args.kv_heads, 1, 1, dtype=dtype),
-                               torch.zeros(batch, args.kv_heads, 1, dtype=torch.long), context - args.window)
+    extra = torch.randn(batch, args.kv_heads, 1, args.head_dim).to(dtype)
+
+    def job(layer: int, candidates: Candidates) -> None:
+        indices, _ = selectors[layer].select(query, candidates, scaling)
+        stores[layer].gather(indices, out=staging[layer])
+
+    executor = ThreadPoolExecutor(max_workers=pool, initializer=torch.set_num_threads if pool > 1 else None,
+                                  initargs=(1,) if pool > 1 else ())
     times = []
-    for step in range(args.repeats + 1):
-        hi = context + step - args.window
-        candidates = torch.arange(hi)[None, :].expand(batch, hi) >= args.sink
-        start = time.perf_counter()
-        if selector == "exact":
-            indices, _ = select(query, store.key_chunks(hi), candidates, args.budget, scaling)
-        else:
-            indices, _ = select_shortlisted(query, store, candidates, hi, args.budget, channels, keep, scaling)
-        store.gather(indices, out=staging)
-        if step:  # the first repeat warms up
-            times.append(time.perf_counter() - start)
-    per_layer = statistics.median(times)
-    row_keys = args.kv_heads * args.head_dim * element  # bytes of one position's keys, all KV heads
-    if two_stage:  # r of D channels of every key, then the shortlisted keys whole
-        read = batch * (context * channels / args.head_dim + keep) * row_keys
-    else:
-        read = batch * context * row_keys
-    return {
-        "context": context, "batch": batch, "selector": selector, "two_stage": two_stage,
-        "ms_per_layer": per_layer * 1e3,
-        "ms_per_step": per_layer * 1e3 * args.layers, "key_mib_read_per_step": read * args.layers / 2**20,
-        "host_gib_per_s": read / per_layer / 2**30, "budget": args.budget, "channels": channels,
-        "factor": args.factor, "dtype": args.dtype, "threads": torch.get_num_threads(),
+    try:
+        for step in range(steps):
+            for store in stores:
+                store.append(extra, extra)
+            hi = context + step + 1 - args.window
+            candidates = Candidates(torch.arange(hi)[None, :].expand(batch, hi) >= args.sink, first_real)
+            start = time.perf_counter()
+            for future in [executor.submit(job, layer, candidates) for layer in range(len(stores))]:
+                future.result()
+            if step:  # the first step warms up
+                times.append(time.perf_counter() - start)
+    finally:
+        executor.shutdown()
+    per_step = statistics.median(times) * args.layers / len(stores)
+    element = torch.empty((), dtype=dtype).element_size()
+    read = key_bytes_read(selectors[0], config, batch, context - args.window, args.kv_heads, args.head_dim, element)
+    index_bytes = selectors[0].host_bytes
+    row = {
+        "context": context, "batch": batch, "selector": selector_name, "pool": pool,
+        "torch_threads": torch.get_num_threads() if pool == 1 else 1,
+        "ms_per_step": per_step * 1e3, "ms_per_layer": per_step * 1e3 / args.layers,
+        "key_mib_read_per_step": read * args.layers / 2**20,
+        "index_host_bytes": index_bytes, "index_fraction": index_bytes / stores[0].nbytes,
+        "build_ms_per_1k_tokens": build * 1e3 / len(stores) / batch / (context / 1000),
+        "budget": args.budget, "dtype": args.dtype, "options": args.options,
     }
+    for selector, store in zip(selectors, stores):
+        selector.free()
+        store.free()
+    return row
 
 
 def _num(value: float) -> str:
@@ -93,25 +132,34 @@ def _num(value: float) -> str:
 
 
 def markdown(rows: list[dict], args: argparse.Namespace) -> str:
-    """The table, with exact/shortlist time ratios per (context, batch)."""
+    """The table, with exact/this step-time ratios per (context, batch, pool)."""
     lines = [
-        f"Host retrieval per decode step, one retriever thread using {rows[0]['threads']} torch threads; shape "
-        f"{args.heads} query / {args.kv_heads} KV heads × {args.head_dim}, {args.layers} layers, {args.dtype}, "
-        f"budget {args.budget}; shortlist: {rows[-1]['channels']} channels, factor {args.factor}.", "",
-        "| context | batch | selector | ms/layer | ms/step | key MiB read/step | GiB/s | exact / this |",
-        "|---|---|---|---|---|---|---|---|",
+        f"Host retrieval per decode step on this CPU: shape {args.heads} query / {args.kv_heads} KV heads × "
+        f"{args.head_dim}, {args.layers} layers ({args.distinct_layers} distinct, scaled), {args.dtype}, budget "
+        f"{args.budget}; options {json.dumps(args.options)}. pool = retrieval threads (1: one thread at "
+        f"{rows[0]['torch_threads'] if rows[0]['pool'] == 1 else 'torch default'} intra-op threads; N > 1: one "
+        "intra-op thread each).", "",
+        "| context | batch | selector | pool | ms/layer | ms/step | key MiB read/step | index / KV | build ms per 1K "
+        "tokens·layer | exact / this |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    exact = {(r["context"], r["batch"]): r["ms_per_step"] for r in rows if r["selector"] == "exact"}
+    exact = {(r["context"], r["batch"], r["pool"]): r["ms_per_step"] for r in rows if r["selector"] == "exact"}
     for r in rows:
-        base = exact.get((r["context"], r["batch"]))
+        base = exact.get((r["context"], r["batch"], r["pool"]))
         ratio = f"{base / r['ms_per_step']:.1f}×" if base else "—"
-        name = r["selector"] + ("" if r["two_stage"] or r["selector"] == "exact" else " †")
         lines.append(
-            f"| {r['context']} | {r['batch']} | {name} | {_num(r['ms_per_layer'])} | {_num(r['ms_per_step'])} | "
-            f"{_num(r['key_mib_read_per_step'])} | {_num(r['host_gib_per_s'])} | {ratio} |"
+            f"| {r['context']} | {r['batch']} | {r['selector']} | {r['pool']} | {_num(r['ms_per_layer'])} | "
+            f"{_num(r['ms_per_step'])} | {_num(r['key_mib_read_per_step'])} | {r['index_fraction']:.1%} | "
+            f"{_num(r['build_ms_per_1k_tokens'])} | {ratio} |"
         )
-    if not all(r["two_stage"] for r in rows if r["selector"] == "shortlist"):
-        lines += ["", "† factor × budget covers every position: the shortlist selector runs the exact selection."]
+    pools = sorted({r["pool"] for r in rows})
+    if len(pools) > 1:
+        lines += ["", f"Thread scaling (ms/step at pool {pools[0]} / at pool {pools[-1]}):", ""]
+        by = {(r["context"], r["batch"], r["selector"], r["pool"]): r["ms_per_step"] for r in rows}
+        for (context, batch, selector, pool), value in by.items():
+            if pool == pools[0] and (context, batch, selector, pools[-1]) in by:
+                lines.append(f"- {selector}, {context} tokens, batch {batch}: "
+                             f"{value / by[context, batch, selector, pools[-1]]:.2f}×")
     return "\n".join(lines) + "\n"
 
 
@@ -119,32 +167,40 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072], help="tokens")
     parser.add_argument("--batches", type=int, nargs="+", default=[1])
-    parser.add_argument("--selectors", nargs="+", default=["exact", "shortlist"], choices=["exact", "shortlist"])
+    parser.add_argument("--selectors", nargs="+", default=["exact", DualDecoderConfig().selector],
+                        choices=PREFETCHED)
+    parser.add_argument("--pools", type=int, nargs="+", default=[1], help="retrieval threads per run")
     parser.add_argument("--budget", type=int, default=256, help="tokens per KV head")
-    parser.add_argument("--channels", type=int, default=None, help="shortlist channels (default head_dim / 8)")
-    parser.add_argument("--factor", type=int, default=8, help="shortlist factor")
+    parser.add_argument("--options", type=json.loads, default={},
+                        help='other DualDecoderConfig fields as JSON, e.g. \'{"cluster_size": 32}\'')
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=32, help="layers per step (scales ms/layer to ms/step)")
+    parser.add_argument("--layers", type=int, default=32, help="layers per step (scales the measured step)")
+    parser.add_argument("--distinct-layers", type=int, default=4, help="layers with their own store and index")
     parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     parser.add_argument("--sink", type=int, default=4)
     parser.add_argument("--window", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=10, help="timed repeats per cell (after one warm-up)")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--repeats", type=int, default=10, help="timed steps per cell (after one warm-up)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (pool 1)")
     parser.add_argument("--out", default=None, help="output path without extension (writes .json and .md)")
     args = parser.parse_args(argv)
     problems = [f"--{name.replace('_', '-')} must be >= 1" for name in
-                ("budget", "factor", "heads", "kv_heads", "head_dim", "layers", "repeats")
+                ("budget", "heads", "kv_heads", "head_dim", "layers", "repeats", "distinct_layers")
                 if getattr(args, name) < 1]
-    if args.channels is not None and args.channels < 1:
-        problems.append("--channels must be >= 1")
+    if not isinstance(args.options, dict) or "selector" in args.options:
+        problems.append("--options must be a JSON object of DualDecoderConfig fields other than selector")
+    else:
+        try:
+            DualDecoderConfig.from_dict(args.options)
+        except (ValueError, TypeError) as error:
+            problems.append(f"--options: {error}")
     if args.sink < 0 or args.window < 1:
         problems.append("--sink must be >= 0 and --window >= 1")
     if args.kv_heads >= 1 and args.heads % args.kv_heads:
         problems.append("--heads must be a multiple of --kv-heads")
-    if min(args.batches) < 1 or min(args.contexts) <= args.window + args.sink + args.budget:
-        problems.append("--batches must be >= 1 and every --contexts value > window + sink + budget")
+    if min(args.batches) < 1 or min(args.pools) < 1 or min(args.contexts) <= args.window + args.sink + args.budget:
+        problems.append("--batches and --pools must be >= 1 and every --contexts value > window + sink + budget")
     if args.threads is not None and args.threads < 1:
         problems.append("--threads must be >= 1")
     if problems:
@@ -155,9 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for context in args.contexts:
         for batch in args.batches:
-            for selector in args.selectors:
-                rows.append(measure(context, batch, selector, args))
-                print(json.dumps(rows[-1]), flush=True)
+            for pool in args.pools:
+                for selector in args.selectors:
+                    rows.append(measure(context, batch, selector, pool, args))
+                    print(json.dumps(rows[-1]), flush=True)
     table = markdown(rows, args)
     print(table)
     if args.out:

@@ -25,6 +25,8 @@ METHODS = {
     "dual-no-drift": {"repair_drift": None},
     "dual-no-repair": {"miss_repair": False},
     "dual-none": {"speculator": "none"},
+    "dual-exact": {"selector": "exact"},
+    "dual-clusters": {"selector": "clusters"},
     "dual-shortlist": {"selector": "shortlist"},
     "oracle": {"selector": "oracle"},
 }

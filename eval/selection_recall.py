@@ -1,133 +1,194 @@
-"""How much of the exact top-k attention mass the two-stage `"shortlist"` selection keeps, on the embedded model.
+"""How much of the exact top-k attention mass each selector keeps, on a real model's keys and queries.
 
-    python -m dual_cache.eval.selection_recall --tokens 8192 --seeds 0-3 --budget 256 \
-        --channels 4 8 16 --factors 2 4 8 --out results/needle/selection-recall-8k
+    python -m dual_cache.eval.selection_recall --tokens 8192 --seeds 0-3 \
+        --configs exact clusters 'clusters:{"cluster_size": 32}' shortlist 'quest:{"block_size": 16}' \
+        --out results/needle/selection-recall-8k
 
-For each word-needle prompt (`needle.make_needle_prompt`), one dense prefill records every layer's keys (after RoPE)
-and the last prompt position's queries — the query that selects the first decode step's entries. Per layer and KV
-head, the exact criterion is the softmax attention mass summed over the GQA group over every candidate (positions
-past the sink and before the local window); `recall` is the mass of the `budget` entries the shortlist selection
-picks divided by the mass of the exact top-`budget` (1.0 = the exact selection). Reported per (channels, factor):
-mean, 10th percentile and minimum over layers ≥ `--skip-layers` (the early layers use a larger budget) and heads,
-and the share of key bytes the host reads (the channels of every key + the shortlisted keys) relative to exact
-scoring.
+For each word-needle prompt (`needle.make_needle_prompt`), one dense prefill (in chunks, transformers' default
+cache) records every full-attention layer's keys (after RoPE) and the queries of the last `--queries` prompt
+positions. Per layer (from `--skip-layers`), KV head and query position `p`, the exact criterion is the softmax
+attention mass summed over the GQA group over every candidate (positions past the sink and before the local window
+of `p`); `recall` is the mass of the `budget` entries a selector picks divided by the mass of the exact
+top-`budget` (1.0 = the exact selection). Each selector runs as in decoding (`dual_cache.selectors`): its index is
+built over the prompt (timed: build ms per 1K tokens per layer), then it selects for each query (timed: ms per
+layer). Reported per configuration: mean, 10th percentile and minimum recall, the key bytes a selection reads
+relative to exact scoring, the index's host bytes relative to the layer's K/V, and the two timings (this CPU;
+compare within one run).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..config import DualDecoderConfig
 from ..host_store import HostKVStore
 from ..retrieval import group_attention_mass
-from ..shortlist import select_shortlisted
+from ..selectors import SELECTORS, Candidates
+from .bench_retrieval import key_bytes_read
 from .needle import format_chat, make_needle_prompt
-from .needle_sweep import load_embedded_model, parse_seeds, threads_arg
+from .needle_sweep import parse_seeds, threads_arg
 from .outputs import write_rows_and_table
 
 RECORDER = "dual_recall_recorder"
-_recording: dict[int, tuple[torch.Tensor, torch.Tensor, float]] | None = None  # layer -> what `_recorder` saw
+_recording: dict | None = None  # layer -> (queries, keys, scaling) of the last chunk, while recording
 
 
 def _recorder(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """SDPA attention that keeps the last position's query and every key of each layer in `_recording`."""
-    if _recording is not None:
+    """SDPA attention that keeps, for full-attention layers, the last `queries` positions' queries and every key."""
+    if _recording is not None and getattr(module, "sliding_window", None) is None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        _recording[module.layer_idx] = (query[:, :, -1].float().cpu(), key.float().cpu(), scale)
+        count = _recording["queries"]
+        _recording[module.layer_idx] = (query[:, :, -count:].float().cpu(), key.float().cpu(), scale)
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
-def record_prefill(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
-    """One dense forward over `ids` `(1, n)`; per layer `(query (1, H_q, D), keys (1, H_kv, n, D), scaling)` of the
-    last position, float32 on the host."""
+def record_prefill(model, ids: torch.Tensor, queries: int = 1, chunk: int = 2048) -> dict[int, tuple]:
+    """A dense prefill of `ids` `(1, n)` in chunks of `chunk` tokens; per full-attention layer, `(queries (1, H_q,
+    queries, D), keys (1, H_kv, n, D), scaling)` float32 on the host, for the last `queries` positions."""
     global _recording
     AttentionInterface.register(RECORDER, _recorder)
+    AttentionMaskInterface.register(RECORDER, sdpa_mask)  # the real causal mask for chunks after the first
     previous = model.config._attn_implementation
-    _recording = {}
     model.set_attn_implementation(RECORDER)
+    n = ids.shape[1]
+    cache = DynamicCache(config=model.config)
     try:
         with torch.no_grad():
-            model(ids, use_cache=False)
-        return [_recording[i] for i in sorted(_recording)]
+            for start in range(0, n, chunk):
+                end = min(n, start + chunk)
+                _recording = {"queries": min(queries, end - start)} if end == n else None
+                model(ids[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1,
+                      position_ids=torch.arange(start, end)[None])
+        return {layer: value for layer, value in _recording.items() if layer != "queries"}
     finally:
         model.set_attn_implementation(previous)
         _recording = None
 
 
-def layer_recalls(query, keys, scaling, budget, configs, n_sink, window) -> dict[tuple[int, int], torch.Tensor]:
-    """Recall of the shortlist selection against the exact top-`budget` for one layer.
+def parse_config(text: str) -> tuple[str, dict]:
+    """`"clusters"` or `'clusters:{"cluster_size": 32}'` → `(selector, options)`; raises `ValueError`."""
+    name, _, options = text.partition(":")
+    if name not in SELECTORS:
+        raise ValueError(f"unknown selector {name!r} in --configs; choose from {sorted(SELECTORS)}.")
+    try:
+        values = json.loads(options) if options else {}
+        DualDecoderConfig(selector=name, **values)
+    except (json.JSONDecodeError, TypeError, ValueError) as error:
+        raise ValueError(f"--configs {text!r}: {error}") from None
+    return name, values
+
+
+def layer_recalls(queries: torch.Tensor, keys: torch.Tensor, scaling: float, budget: int,
+                  configs: list[tuple[str, dict]], n_sink: int, window: int) -> dict[int, dict]:
+    """Recall of each configuration against the exact top-`budget` for one layer.
 
     Args:
-        query: `(1, H_q, D)` float32; keys: `(1, H_kv, n, D)` float32 (from `record_prefill`); scaling: softmax scale.
-        budget: entries per KV head (tokens); configs: `(channels, factor)` pairs to evaluate.
-        n_sink, window: positions `< n_sink` and `>= n - window` are not candidates (tokens).
+        queries: `(1, H_q, Q, D)` float32, the last `Q` positions' queries; keys: `(1, H_kv, n, D)` float32.
+        scaling: softmax scale; budget: entries per KV head (tokens); configs: `(selector, options)` pairs.
+        n_sink, window: positions `< n_sink` and the `window` positions before each query are not candidates.
 
     Returns:
-        `{(channels, factor): (H_kv,) float32 recall}`, each in `(0, 1]` up to rounding.
+        `{index in configs: {"recall": (Q·H_kv,) float32, "build_s": seconds, "select_s": seconds per select,
+        "index_bytes": int, "kv_bytes": int, "read": key bytes per select}}`.
     """
-    n = keys.shape[2]
-    hi = n - window
-    store = HostKVStore(1, keys.shape[1], keys.shape[3], torch.float32, chunk_tokens=4096, channel_major=True)
+    n, count = keys.shape[2], queries.shape[2]
+    store = HostKVStore(1, keys.shape[1], keys.shape[3], torch.float32, chunk_tokens=4096)
+    store.reserve(n)
     store.append(keys, keys)
-    candidates = torch.arange(hi)[None, :] >= n_sink
-    mass = group_attention_mass(query, store.key_chunks(hi), candidates, scaling)  # (1, H_kv, hi)
-    best = torch.topk(mass, budget, dim=-1).values.sum(-1)
+    first_real = torch.zeros(1, dtype=torch.long)
     out = {}
-    for channels, factor in configs:
-        indices, valid = select_shortlisted(query, store, candidates, hi, budget, channels, factor * budget, scaling)
-        out[channels, factor] = ((torch.gather(mass, 2, indices) * valid).sum(-1) / best)[0]
+    for index, (name, options) in enumerate(configs):
+        config = DualDecoderConfig(selector=name, **options)
+        selector = SELECTORS[name](config, budget, store, "cpu")
+        start = time.thread_time()
+        selector.extend(n, first_real)
+        build = time.thread_time() - start
+        recalls, select_time, read = [], 0.0, 0.0
+        for j in range(count):
+            hi = n - count + j - window  # the query at position p = n - count + j: window [p - window, p)
+            candidates = Candidates(torch.arange(hi)[None, :] >= n_sink, first_real)
+            query = queries[:, :, j]
+            mass = group_attention_mass(query, store.key_chunks(hi), candidates.mask, scaling)  # (1, H_kv, hi)
+            best = torch.topk(mass, min(budget, hi), dim=-1).values.sum(-1)
+            start = time.thread_time()
+            indices, valid = selector.select(query, candidates, scaling)
+            select_time += time.thread_time() - start
+            recalls.append(((torch.gather(mass, 2, indices) * valid).sum(-1) / best)[0])
+            read += key_bytes_read(selector, config, 1, hi, keys.shape[1], keys.shape[3], 4)
+        out[index] = {"recall": torch.cat(recalls), "build_s": build, "select_s": select_time / count,
+                      "index_bytes": selector.host_bytes, "kv_bytes": store.nbytes, "read": read / count,
+                      "exact_read": float(keys.shape[1] * keys.shape[3] * 4 * (n - window))}
+        selector.free()
     store.free()
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="model path or id (default: the embedded SmolLM2-135M)")
     parser.add_argument("--tokens", type=int, default=8192, help="prompt length (tokens)")
     parser.add_argument("--seeds", default="0-3", help="needle prompts, e.g. 0-3 or 0,5")
     parser.add_argument("--budget", type=int, default=256, help="tokens per KV head")
-    parser.add_argument("--channels", type=int, nargs="+", default=[4, 8, 16], help="query channels per KV head")
-    parser.add_argument("--factors", type=int, nargs="+", default=[2, 4, 8], help="shortlist factors")
+    parser.add_argument("--configs", nargs="+", default=["clusters", "shortlist", "quest:{\"block_size\": 16}"],
+                        help="selector[:JSON options] per configuration")
+    parser.add_argument("--queries", type=int, default=16, help="last prompt positions whose queries are scored")
     parser.add_argument("--skip-layers", type=int, default=2, help="leave out the first layers (larger budget)")
     parser.add_argument("--threads", type=threads_arg, default=None, help="torch intra-op threads")
     parser.add_argument("--out", default=None, help="output path without extension (writes .json and .md)")
     args = parser.parse_args(argv)
     try:
         seeds = parse_seeds(args.seeds)
-        if args.tokens < 4 * args.budget or min(args.channels + args.factors) < 1 or args.budget < 1:
-            raise ValueError("--tokens must be >= 4 × --budget, and --budget, --channels, --factors >= 1.")
+        configs = [parse_config(text) for text in args.configs]
+        if args.tokens < 4 * args.budget or args.budget < 1 or args.queries < 1:
+            raise ValueError("--tokens must be >= 4 × --budget, and --budget, --queries >= 1.")
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    model, tokenizer = load_embedded_model(args.threads)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    from ..models import load_model
+
+    model, tokenizer = load_model(args.model)
     n_sink, window = 4, 64
-    values: dict[tuple[int, int], list[torch.Tensor]] = {}
+    results: dict[int, list[dict]] = {i: [] for i in range(len(configs))}
     for seed in seeds:
         prompt = make_needle_prompt(tokenizer, args.tokens, seed=seed)
-        layers = record_prefill(model, torch.tensor([format_chat(tokenizer, prompt.text)]))
-        configs = [(channels, factor) for channels in args.channels for factor in args.factors]
-        for query, keys, scaling in layers[args.skip_layers:]:
-            for config, value in layer_recalls(query, keys, scaling, args.budget, configs, n_sink, window).items():
-                values.setdefault(config, []).append(value)
-        print(f"seed {seed}: {len(layers)} layers recorded", flush=True)
-    n = args.tokens
+        layers = record_prefill(model, torch.tensor([format_chat(tokenizer, prompt.text)]), args.queries)
+        for layer, (queries, keys, scaling) in sorted(layers.items()):
+            if layer < args.skip_layers:
+                continue
+            for index, value in layer_recalls(queries, keys, scaling, args.budget, configs, n_sink, window).items():
+                results[index].append(value)
+        print(f"seed {seed}: {len(layers)} full-attention layers recorded", flush=True)
     rows = []
-    dim = layers[0][1].shape[-1]
-    for (channels, factor), parts in values.items():
-        r = torch.cat(parts)
-        keep = factor * args.budget
-        read = min(channels, dim) / dim + keep / n if keep < n - window else 1.0  # else: the exact selection
-        rows.append({"channels": channels, "head_dim": dim, "factor": factor, "mean": r.mean().item(),
-                     "p10": r.quantile(0.1).item(), "min": r.min().item(), "keys_read": read, "samples": r.numel()})
-    lines = [f"Recall of the exact top-{args.budget} attention mass by the shortlist selection; embedded SmolLM2-135M,"
-             f" word-needle prompts of {args.tokens} tokens, seeds {args.seeds}, last prompt position's queries, "
-             f"layers {args.skip_layers}+ × KV heads.", "",
-             "| channels | factor | mean | p10 | min | key bytes read vs exact |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['channels']} of {r['head_dim']} | {r['factor']} | {r['mean']:.4f} | {r['p10']:.4f} | {r['min']:.4f} | "
-              f"{r['keys_read']:.1%} |" for r in rows]
+    for index, (name, options) in enumerate(configs):
+        parts = results[index]
+        recall = torch.cat([p["recall"] for p in parts])
+        rows.append({
+            "selector": name, "options": options, "mean": recall.mean().item(), "p10": recall.quantile(0.1).item(),
+            "min": recall.min().item(), "samples": recall.numel(),
+            "keys_read": sum(p["read"] for p in parts) / sum(p["exact_read"] for p in parts),
+            "index_fraction": sum(p["index_bytes"] for p in parts) / sum(p["kv_bytes"] for p in parts),
+            "build_ms_per_1k_tokens": 1e3 * sum(p["build_s"] for p in parts) / len(parts) / (args.tokens / 1000),
+            "select_ms": 1e3 * sum(p["select_s"] for p in parts) / len(parts),
+        })
+    label = args.model or "embedded SmolLM2-135M"
+    lines = [f"Recall of the exact top-{args.budget} attention mass per selector; {label}, word-needle prompts of "
+             f"{args.tokens} tokens, seeds {args.seeds}, the last {args.queries} prompt positions' queries, "
+             f"full-attention layers {args.skip_layers}+ × KV heads. Timings: this CPU, thread time, one run.", "",
+             "| selector | options | mean | p10 | min | key bytes read vs exact | index / KV | build ms per 1K "
+             "tokens·layer | select ms per layer |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['selector']} | {json.dumps(r['options']) if r['options'] else 'default'} | {r['mean']:.4f} | "
+              f"{r['p10']:.4f} | {r['min']:.4f} | {r['keys_read']:.1%} | {r['index_fraction']:.1%} | "
+              f"{r['build_ms_per_1k_tokens']:.3g} | {r['select_ms']:.3g} |" for r in rows]
     table = "\n".join(lines) + "\n"
     print(table)
     if args.out:

@@ -24,7 +24,7 @@ def test_defaults_are_valid():
         ({"layers_in_flight": 0}, "layers_in_flight"),
         ({"selector": "shortlist", "shortlist_channels": 0}, "shortlist_channels"),
         ({"selector": "shortlist", "shortlist_factor": 1.5}, "shortlist_factor"),
-        ({"retrieval_threads": 4}, "retrieval_threads"),
+        ({"retrieval_threads": -1}, "retrieval_threads"),
         ({"layer_budgets": {0: -5}}, "layer_budgets"),
         ({"bugdet": 3}, "Unknown dual cache option"),
         ({"repair_drift": -0.1}, "repair_drift"),

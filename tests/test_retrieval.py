@@ -77,7 +77,7 @@ def test_host_store_appends_gathers_crops_and_grows_in_chunks():
         store.append(piece, -piece)
         first_chunk = first_chunk if first_chunk is not None else store.key_chunks(3)[0].data_ptr()
     full = torch.cat(pieces, dim=2)
-    assert store.length == 10 and store.capacity == 12
+    assert store.length == 10 and store.capacity == 11  # chunks of 5 (the first append), then 3 and 3 tokens
     assert store.key_chunks(3)[0].data_ptr() == first_chunk  # growing never moved stored tokens
     torch.testing.assert_close(torch.cat(store.key_chunks(10), dim=2), full)
     keys, values = store.read(2, 9)
@@ -87,7 +87,8 @@ def test_host_store_appends_gathers_crops_and_grows_in_chunks():
     keys, values = store.gather(index)
     torch.testing.assert_close(keys, torch.gather(full, 2, index[..., None].expand(2, 3, 5, 4)))
     torch.testing.assert_close(values, -keys)
-    assert live_host_bytes() - before == store.nbytes == 4 * 2 * (2 * 3 * 3 * 4) * 4  # chunks × K,V × elements × fp32 bytes
+    assert live_host_bytes() - before == store.nbytes == 2 * (2 * 3 * 11 * 4) * 4  # K,V × elements × fp32 bytes
+    assert store.chunk_spans() == [(0, 5), (5, 3), (8, 3)]
     store.crop(2)
     assert store.length == 8
     with pytest.raises(ValueError, match="Cannot crop"):
@@ -154,3 +155,22 @@ def test_block_edges_start_at_each_rows_first_real_token():
     (idx_a, ok_a), (idx_b, ok_b) = alone, shifted
     assert torch.equal(ok_a, ok_b)
     assert torch.equal(idx_a[ok_a] + pad, idx_b[ok_b])
+
+
+def test_host_store_reserves_the_prompt_then_grows_geometrically():
+    from dual_cache.host_store import planned_capacity
+
+    before = live_host_bytes()
+    store = HostKVStore(1, 2, 4, torch.float32, chunk_tokens=1000)
+    store.reserve(57)
+    store.append(torch.randn(1, 2, 57, 4), torch.randn(1, 2, 57, 4))
+    for _ in range(200):  # decode steps, one token each
+        token = torch.randn(1, 2, 1, 4)
+        store.append(token, token)
+    assert store.chunk_spans() == [(0, 57), (57, 64), (121, 64), (185, 92)]
+    assert store.capacity == planned_capacity(57, 257, 1000) == 277
+    store.reserve(100)  # already there: no-op
+    assert store.capacity == 277
+    assert planned_capacity(0, 10_000, 1000) >= 10_000
+    store.free()
+    assert live_host_bytes() == before

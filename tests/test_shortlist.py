@@ -6,16 +6,17 @@ per-(sequence, KV head) loop of the SparQ-style approximation followed by the ex
 import pytest
 import torch
 
-from dual_cache import DualDecoderCache, retrieval
+from dual_cache import DualDecoderCache, DualDecoderConfig, retrieval
 from dual_cache.host_store import HostKVStore, live_host_bytes
-from dual_cache.shortlist import select_shortlisted
+from dual_cache.selectors import Candidates
+from dual_cache.selectors.shortlist import ShortlistSelector
 from tests.conftest import record_selections, six_layer_llama
 
 
 def _store(seed: int, batch: int, kv_heads: int, n: int, dim: int, dtype=torch.float32, chunk: int = 40):
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(batch, kv_heads, n, dim, generator=g).to(dtype)
-    store = HostKVStore(batch, kv_heads, dim, dtype, chunk_tokens=chunk, channel_major=True)
+    store = HostKVStore(batch, kv_heads, dim, dtype, chunk_tokens=chunk)
     for lo in range(0, n, 37):  # uneven appends across chunk edges
         store.append(keys[:, :, lo : lo + 37], -keys[:, :, lo : lo + 37])
     return store, keys, g
@@ -25,35 +26,49 @@ def _candidates(starts: torch.Tensor, hi: int, n_sink: int = 2) -> torch.Tensor:
     return torch.arange(hi)[None, :] >= starts[:, None] + n_sink
 
 
+def _selector(store: HostKVStore, budget: int, channels: int, keep: int) -> ShortlistSelector:
+    """A shortlist selector keeping exactly `keep` positions (`keep` need not be a multiple of the budget)."""
+    selector = ShortlistSelector(DualDecoderConfig(selector="shortlist", shortlist_channels=channels), budget,
+                                 store, "cpu")
+    selector.keep = keep
+    return selector
+
+
+def select_shortlisted(query, store, candidates, hi, budget, channels, keep, scaling, first_sequence=0):
+    """The shortlist selector's choice for `query` over the rows `first_sequence, …` of `store`."""
+    starts = torch.zeros(candidates.shape[0], dtype=torch.long)
+    return _selector(store, budget, channels, keep).select(
+        query, Candidates(candidates[:, :hi], starts, first_sequence), scaling)
+
+
 @pytest.mark.parametrize("seed", [21, 22])
 def test_channel_products_follow_appends_crops_and_count_their_bytes(seed):
     baseline = live_host_bytes()
     g = torch.Generator().manual_seed(seed)
     keys = torch.randint(-8, 8, (3, 2, 150, 8), generator=g).float()  # small integers: products are exact
-    store = HostKVStore(3, 2, 8, torch.float32, chunk_tokens=40, channel_major=True)
-    plain = HostKVStore(3, 2, 8, torch.float32, chunk_tokens=40)
+    store = HostKVStore(3, 2, 8, torch.float32, chunk_tokens=40)
     for lo in range(0, 150, 37):
         store.append(keys[:, :, lo : lo + 37], keys[:, :, lo : lo + 37])
-    plain.append(keys, keys)
-    assert store.nbytes == plain.nbytes * 3 // 2  # the channel-major copy: one more copy of the keys
+    selector = _selector(store, 4, channels=3, keep=8)
     channels = torch.randint(0, 8, (3, 2, 3), generator=g)
     left = torch.randint(-4, 4, (3, 2, 5, 3), generator=g).float()
 
     def expected(k, hi):
         return left @ torch.gather(k[:, :, :hi], 3, channels[:, :, None, :].expand(3, 2, hi, 3)).transpose(-1, -2)
 
+    starts = torch.zeros(3, dtype=torch.long)
     for hi in (5, 61, 150):  # lazily extended
-        assert torch.equal(store.channel_products(left, channels, hi), expected(keys, hi))
+        selector.extend(hi, starts)
+        assert torch.equal(selector.channel_products(left, channels, hi), expected(keys, hi))
+    assert selector.host_bytes == store.nbytes // 2  # the channel-major copy: one more copy of the keys
     store.crop(30)
+    selector.truncate(store.length)
     fresh = torch.randint(-8, 8, (3, 2, 30, 8), generator=g).float()
     store.append(fresh, fresh)  # overwrites positions 120..149: the copy must follow
     keys[:, :, 120:] = fresh
-    assert torch.equal(store.channel_products(left, channels, 150), expected(keys, 150))
-    with pytest.raises(RuntimeError, match="channel_major=True"):
-        plain.channel_products(left, channels, 10)
-    with pytest.raises(ValueError, match="store holding 150"):
-        store.channel_products(left, channels, 151)
-    store.free(), plain.free()
+    selector.extend(150, starts)
+    assert torch.equal(selector.channel_products(left, channels, 150), expected(keys, 150))
+    selector.free(), store.free()
     assert live_host_bytes() == baseline
 
 
@@ -133,7 +148,8 @@ def test_one_sequence_of_the_store_selects_as_in_the_whole_batch(seed):
     with pytest.raises(ValueError, match="outside this store's batch"):
         store.gather_keys(torch.zeros(2, 2, 1, dtype=torch.long), 2)
     with pytest.raises(ValueError, match="outside this store's batch"):
-        store.channel_products(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 4, dtype=torch.long), 10, 3)
+        _selector(store, 4, 4, 8).channel_products(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 4, dtype=torch.long),
+                                                    10, 3)
     for keep in (8, 500):  # a partial shortlist and the exact shortcut both check the rows
         for bad in (-1, 3, 5):
             with pytest.raises(ValueError, match="outside this store's batch"):
@@ -175,11 +191,13 @@ def test_selection_recall_tool_records_every_layer_and_scores_the_exact_limit_as
     model = six_layer_llama(seed=32)
     before = model.config._attn_implementation
     ids = torch.randint(3, 90, (1, 300), generator=torch.Generator().manual_seed(33))
-    layers = record_prefill(model, ids)
+    layers = record_prefill(model, ids, queries=2, chunk=128)  # chunked: the causal mask must reach every chunk
     assert model.config._attn_implementation == before
-    assert len(layers) == 6
-    query, keys, scaling = layers[3]
-    assert query.shape == (1, 4, 16) and keys.shape == (1, 2, 300, 16)
-    recalls = layer_recalls(query, keys, scaling, budget=16, configs=[(2, 100), (2, 1)], n_sink=4, window=8)
-    assert torch.allclose(recalls[2, 100], torch.ones(2))  # every position shortlisted: the exact selection
-    assert torch.all(recalls[2, 1] <= 1 + 1e-6) and torch.all(recalls[2, 1] > 0)
+    assert sorted(layers) == list(range(6))
+    queries, keys, scaling = layers[3]
+    assert queries.shape == (1, 4, 2, 16) and keys.shape == (1, 2, 300, 16)
+    configs = [("shortlist", {"shortlist_channels": 2, "shortlist_factor": 100}),
+               ("shortlist", {"shortlist_channels": 2, "shortlist_factor": 1})]
+    recalls = layer_recalls(queries, keys, scaling, budget=16, configs=configs, n_sink=4, window=8)
+    assert torch.allclose(recalls[0]["recall"], torch.ones(4))  # every position shortlisted: the exact selection
+    assert torch.all(recalls[1]["recall"] <= 1 + 1e-6) and torch.all(recalls[1]["recall"] > 0)

@@ -1,0 +1,158 @@
+"""The interface every selector implements, and what a selection is asked for (`Candidates`).
+
+A selector decides which `budget` middle entries per (sequence, KV head) one full-attention layer's decode step
+attends to (DESIGN.md §2, step 3). It owns whatever it keeps besides the layer's host store — a host-side index, a
+channel-major key copy, page metadata on the device — builds it during prefill, extends it as tokens are committed,
+and answers `select(query, candidates)` on the host. It knows nothing of transformers, caches or schedules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from ..host_store import HostKVStore
+
+HostClaim = Callable[[int], None]  # called with a byte count before host memory is allocated; may raise
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """The positions a selection may choose, for `B` consecutive sequences of a layer's host store.
+
+    Attributes:
+        mask: `(B, hi)` bool host tensor, True at real (non-pad), non-sink positions below `hi` (the start of the
+            local window).
+        first_real: `(B,)` int64 host tensor, each sequence's first real (non-pad) position; selectors that group
+            positions (blocks, pages, index segments) start their groups there, so left padding never changes
+            what a sequence selects.
+        first_sequence: the rows are the store's sequences `first_sequence, …, first_sequence + B - 1` (a repair
+            of some sequences of the batch).
+    """
+
+    mask: torch.Tensor
+    first_real: torch.Tensor
+    first_sequence: int = 0
+
+    @property
+    def hi(self) -> int:
+        """End of the selectable range: positions `[0, hi)` (tokens)."""
+        return self.mask.shape[1]
+
+    @property
+    def rows(self) -> slice:
+        """The store's sequences these candidates describe."""
+        return slice(self.first_sequence, self.first_sequence + self.mask.shape[0])
+
+    def row(self, index: int) -> "Candidates":
+        """The candidates of the `index`-th of these sequences alone."""
+        return Candidates(self.mask[index : index + 1], self.first_real[index : index + 1],
+                          self.first_sequence + index)
+
+
+class Selector:
+    """Chooses the entries of one full-attention layer (subclass per policy, one file each, in this package).
+
+    Class attributes:
+        name: the `DualDecoderConfig.selector` value that picks this class.
+        prefetched: True when the selection is chosen on the host one step ahead from the speculated token's query
+            (the DualDecoder pipeline); False when it is chosen at the step that uses it, with the real token's
+            query, synchronously (the `"oracle"` upper bound, the Quest baseline).
+        repairable: whether miss and drift repair re-select with this selector (prefetched selectors only).
+
+    Args:
+        config: the `DualDecoderConfig` (selector options are read from it).
+        budget: entries per (sequence, KV head) this layer selects (tokens); > 0.
+        store: the layer's host store (every key and value of every sequence).
+        device: where the layer's attention runs (a selector may keep state there, counted in `device_bytes`).
+        claim_host: called with the byte size of each host allocation the selector is about to make; raises
+            `HostMemoryError` past the cache's host-memory limit.
+    """
+
+    name: ClassVar[str] = ""
+    prefetched: ClassVar[bool] = True
+
+    def __init__(self, config: Any, budget: int, store: HostKVStore, device: torch.device,
+                 claim_host: HostClaim | None = None) -> None:
+        self.config = config
+        self.budget = budget
+        self.store = store
+        self.device = torch.device(device)
+        self.claim_host = claim_host or (lambda nbytes: None)
+
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        """Raise `ValueError` naming the option to change when `config`'s options do not suit this selector."""
+
+    @classmethod
+    def host_bytes_per_token(cls, config: Any, kv_heads: int, head_dim: int, element_size: int) -> float:
+        """Host bytes this selector keeps per stored token of one sequence (all KV heads), beyond the store's K/V;
+        used to check a request fits in host memory before anything is allocated."""
+        return 0.0
+
+    @property
+    def repairable(self) -> bool:
+        return self.prefetched
+
+    def selects_everything(self, candidate_count: int) -> bool:
+        """Whether any query selects every candidate when there are `candidate_count` of them (then a repair
+        cannot change the selection and is skipped)."""
+        return candidate_count <= self.budget
+
+    def extend(self, length: int, first_real: torch.Tensor, first_sequence: int = 0) -> None:
+        """Index the committed positions `[0, length)` of some sequences (called per prefill chunk; decode steps
+        extend the index from `select`, up to the selectable range).
+
+        Args:
+            length: committed tokens per sequence (tokens); every position below it is final.
+            first_real: `(b,)` int64 host, the first real position of the sequences `first_sequence, …` (pads
+                before it are never indexed).
+        """
+
+    def truncate(self, length: int) -> None:
+        """Forget what was indexed at positions `>= length` (the store was cropped to `length` tokens)."""
+
+    def select(
+        self, query: torch.Tensor, candidates: Candidates, scaling: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Choose `budget` entries per (sequence, KV head) that `query` attends to most.
+
+        Args:
+            query: `(b, H_q, D)` float32 host queries (after RoPE) of the token predicting the step, one row per
+                sequence of `candidates` (`H_q` a multiple of the store's `H_kv`).
+            candidates: the selectable positions of those sequences (`hi` ≥ 1).
+            scaling: the layer's softmax scale (usually `D ** -0.5`).
+
+        Returns:
+            `(indices, valid)`, both `(b, H_kv, budget)`: int64 positions in `[0, hi)`, the valid ones ascending,
+            and bool validity (invalid slots hold arbitrary in-range positions and are never attended).
+        """
+        raise NotImplementedError
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes held beyond the store's K/V (an index, a key copy)."""
+        return 0
+
+    @property
+    def device_bytes(self) -> int:
+        """Device bytes held (0 for the DualDecoder selectors: nothing but selected entries lives there)."""
+        return 0
+
+    def free(self) -> None:
+        """Release what the selector holds. Idempotent."""
+
+
+def require_block_multiples(config: Any, selector: str) -> None:
+    """Raise `ValueError` unless every budget of `config` (budget, early_layer_budget, each `layer_budgets` entry)
+    is a multiple of `config.block_size` — for selectors that select whole blocks or pages."""
+    budgets = [("budget", config.budget), ("early_layer_budget", config.early_layer_budget),
+               *[(f"layer_budgets[{i}]", b) for i, b in config.layer_budgets.items()]]
+    for name, value in budgets:
+        if value % config.block_size:
+            raise ValueError(
+                f"`{name}`={value} must be a multiple of `block_size`={config.block_size} with "
+                f"selector={selector!r}; change the budget or the block size."
+            )
