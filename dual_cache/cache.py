@@ -9,6 +9,7 @@ prefill ends (`end_prefill`) and receives, per layer, the query that selects the
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import dataclass, field
@@ -20,11 +21,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from .config import DualDecoderConfig
 from .host_store import HostKVStore, planned_capacity
 from .kernels import KVSegment
+from .layer_types import SLIDING_ATTENTION, resolve_layer_types
 from .schedule import Selection, TransferSchedule
 from .selectors import SELECTORS, Candidates, Selector
-
-FULL_ATTENTION = "full_attention"
-SLIDING_ATTENTION = "sliding_attention"
 
 
 class HostMemoryError(MemoryError):
@@ -446,7 +445,8 @@ class DualDecoderCache(Cache):
 
     Raises:
         ValueError: for bad option values, or layer types this cache cannot serve (anything other than
-            full and sliding-window attention).
+            full and sliding-window attention). A sliding window at least `max_cache_len` long is served as full
+            attention (`fit_layers` decides again once the request's length is known).
     """
 
     def __init__(
@@ -461,22 +461,12 @@ class DualDecoderCache(Cache):
         self.dual_config = dual_config if dual_config is not None else DualDecoderConfig.from_dict(options)
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         n_layers = text_config.num_hidden_layers
-        layer_types = getattr(text_config, "layer_types", None)
-        sliding_window = getattr(text_config, "sliding_window", None)
-        if layer_types is None:
-            layer_types = [SLIDING_ATTENTION if sliding_window else FULL_ATTENTION] * n_layers
-        unsupported = sorted({t for t in layer_types if t not in (FULL_ATTENTION, SLIDING_ATTENTION)})
-        if unsupported:
-            raise ValueError(
-                f"DualDecoderCache serves full-attention and sliding-window layers only; this model has layer "
-                f"types {unsupported}. Use the default cache for this model."
-            )
+        self.text_config = text_config
         for layer_idx in self.dual_config.layer_budgets:
             if layer_idx >= n_layers:
                 raise ValueError(
                     f"`layer_budgets` names layer {layer_idx}, but the model has {n_layers} layers (0..{n_layers - 1})."
                 )
-        self.layer_types = list(layer_types)
         self.kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         self.head_dim = getattr(text_config, "head_dim", None) or (
             text_config.hidden_size // text_config.num_attention_heads
@@ -494,15 +484,26 @@ class DualDecoderCache(Cache):
         self.prompt_tokens = 0  # reserved at once by each host store (`reserve_host`)
         self._final_stats: dict | None = None
         self._timeline: list[dict] = []
+        super().__init__(layers=self._build_layers(max_cache_len))
+
+    def _build_layers(self, tokens: int | None) -> list[CacheLayerMixin]:
+        """Sets `layer_types` for requests of `tokens` tokens and returns one fresh layer per model layer."""
+        self.layer_types = resolve_layer_types(self.text_config, tokens)
         layers: list[CacheLayerMixin] = []
         for layer_idx, layer_type in enumerate(self.layer_types):
             if layer_type == SLIDING_ATTENTION:
-                layer = DynamicSlidingWindowLayer(sliding_window=sliding_window)
+                layer = DynamicSlidingWindowLayer(sliding_window=self.text_config.sliding_window)
                 layer.activate_past_recording()  # keeps the speculated token until crop(-1) removes it
             else:
                 layer = DualLayer(layer_idx, self.dual_config, self)
             layers.append(layer)
-        super().__init__(layers=layers)
+        return layers
+
+    def fit_layers(self, tokens: int) -> None:
+        """Before anything is stored: serve as full attention the sliding-window layers whose window covers a
+        request of `tokens` tokens per sequence (`layer_types.resolve_layer_types`)."""
+        if self.get_seq_length() == 0 and resolve_layer_types(self.text_config, tokens) != self.layer_types:
+            self.layers = self._build_layers(tokens)
 
     @property
     def dual_layers(self) -> list[DualLayer]:
@@ -595,6 +596,7 @@ class DualDecoderCache(Cache):
             )
         self.host_claimed += nbytes
 
+    @torch.compiler.disable  # host-side work: a graph break under torch.compile, never traced
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Store `(B, H_kv, q, D)` new keys/values of `layer_idx` (transformers `Cache.update` contract)."""
         if isinstance(self.layers[layer_idx], DualLayer):
@@ -749,6 +751,25 @@ class DualDecoderCache(Cache):
             self.schedule = None
             for layer in self.dual_layers:
                 layer.free()
+
+    def __deepcopy__(self, memo: dict) -> "DualDecoderCache":
+        """A copy of a cache that holds no tokens yet (or is closed); an open cache holding tokens is refused.
+
+        Raises:
+            TypeError: when the cache holds tokens and is open (its host stores, device tiers and retrieval thread
+                serve one request).
+        """
+        if self._final_stats is None and self.get_seq_length() > 0:
+            raise TypeError(
+                "A DualDecoderCache that holds tokens cannot be copied: its host stores, device tiers and retrieval "
+                "thread serve one running request. Copy it before the request starts (or once it is closed), or "
+                "run a new generate() with a fresh DualDecoderCache."
+            )
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        for name, value in self.__dict__.items():
+            setattr(copied, name, copy.deepcopy(value, memo))
+        return copied
 
     def __del__(self) -> None:
         try:

@@ -48,6 +48,28 @@ def _human(nbytes: float) -> str:
     return f"{nbytes:.1f} GiB"
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """`argparse.ArgumentParser` whose usage errors are one line on stderr (exit status 2), not the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def check_positions(model, tokens: int, option: str) -> None:
+    """Raise `ValueError` when a request of `tokens` tokens (prompt + new) exceeds the model's positions.
+
+    Args:
+        model: a transformers model (`config.max_position_embeddings`, when set, is the bound).
+        tokens: prompt tokens plus the tokens to generate.
+        option: the command-line option(s) to name in the message.
+    """
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if limit is not None and tokens > limit:
+        raise ValueError(
+            f"{tokens} tokens (prompt + --max-new-tokens) exceed the model's {limit} positions; lower {option}."
+        )
+
+
 def run_question(model, tokenizer, text: str, dual_config: DualDecoderConfig | None, max_new_tokens: int,
                  stream: bool = False) -> tuple[str, dict]:
     """Answer the chat-formatted `text` greedily; `dual_config=None` uses the dense default cache.
@@ -55,17 +77,21 @@ def run_question(model, tokenizer, text: str, dual_config: DualDecoderConfig | N
     Returns:
         `(answer, info)` where info has `tokens_per_s` (decode, prefill excluded), `prompt_tokens`, and for the
         dual cache the `cache.stats()` entries.
+
+    Raises:
+        ValueError: when the prompt plus `max_new_tokens` exceeds the model's positions (`check_positions`).
     """
     from transformers import TextStreamer
 
     from .eval.needle import format_chat
 
     ids = torch.tensor([format_chat(tokenizer, text)], device=model.device)
+    check_positions(model, ids.shape[1] + max_new_tokens, "the document length or --max-new-tokens")
     inner = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
     timer = TimingStreamer(inner=inner)
     kwargs = {}
     if dual_config is not None:
-        kwargs = {"cache_implementation": "dual", "cache_config": dual_config.__dict__}
+        kwargs = {"cache_implementation": "dual", "cache_config": dual_config}
     out = model.generate(
         input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
         streamer=timer, return_dict_in_generate=True, **kwargs,
@@ -142,6 +168,7 @@ def cmd_demo(args) -> int:
     config = _dual_config(args)
     print("loading the embedded SmolLM2-135M-Instruct ...", flush=True)
     model, tokenizer = load_default_model()
+    check_positions(model, args.tokens + args.max_new_tokens, "--tokens or --max-new-tokens")
     prompt = make_needle_prompt(tokenizer, args.tokens, seed=args.seed)
     print(
         f"document: Python Language Reference excerpt, {prompt.n_tokens} tokens, with one needle; question: "
@@ -156,7 +183,7 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dual-decoder", description=__doc__)
+    parser = OneLineErrorParser(prog="dual-decoder", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     def dual_options(p):

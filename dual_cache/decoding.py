@@ -5,22 +5,25 @@ token missed are marked before the next forward, whose layers re-select their en
 the sequences that hit are re-selected only in the layers where the real query drifted (`repair_drift`).
 
 `dual_sample` has the signature of `GenerationMixin._sample`; `integration.py` routes `generate()` here when the
-cache is a `DualDecoderCache`.
+cache is a `DualDecoderCache`. Each forward carries the cache as the `dual_cache` keyword argument, which routes
+attention to the dual cache for that call only (`routing.py`): the shared model is never modified, so concurrent
+calls on one model, each with its own cache, are independent.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-from typing import Iterator
 
 import torch
 from tqdm.auto import tqdm
 from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.utils import logging
 
-from .attention import ATTENTION_NAME
 from .cache import DualDecoderCache
+from .compat import check_model_serves_dual
 from .speculators import make_speculator
+
+logger = logging.get_logger(__name__)
 
 CACHE_KWARGS = ("cache", "past_key_values")  # transformers ≥5.24 / 5.22–5.23
 
@@ -29,29 +32,6 @@ def cache_kwarg_name(model: torch.nn.Module) -> str:
     """Name of the forward argument that takes the cache on this transformers version."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
-
-
-@contextlib.contextmanager
-def dual_attention_enabled(model: torch.nn.Module) -> Iterator[None]:
-    """Switch `model` to the `"dual"` attention implementation for the duration of the block, then restore.
-
-    Raises:
-        ValueError: if the model does not dispatch attention through transformers' `AttentionInterface`.
-    """
-    previous = model.config._attn_implementation
-    if previous == ATTENTION_NAME:
-        yield
-        return
-    if not model._can_set_attn_implementation():
-        raise ValueError(
-            f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface, so "
-            "the dual cache cannot serve it. Use the default cache for this model."
-        )
-    model.set_attn_implementation(ATTENTION_NAME)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)
 
 
 def _position_ids(attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
@@ -75,9 +55,13 @@ def dual_sample(
     """Generate with dual-token decoding; arguments and return value as `GenerationMixin._sample`.
 
     Args:
-        input_ids: `(B, P)` int64 left-padded prompts.
+        input_ids: `(B, P)` int64 left-padded prompts (`(B, 0)` or ignored for the prefill when `inputs_embeds`
+            are given, as transformers does).
         model_kwargs: must hold the `DualDecoderCache` (under `cache` or `past_key_values`) and may hold the
-            `(B, P)` `attention_mask`.
+            `(B, P)` `attention_mask` and `(B, P, hidden)` `inputs_embeds` (then the prompt: prefill from them).
+
+    Raises:
+        ValueError: before any work, for a model the dual cache cannot serve (`compat.check_model_serves_dual`).
 
     Returns:
         `(B, P + new)` sequences, or `GenerateDecoderOnlyOutput` with `scores`/`logits` and the cache when
@@ -96,7 +80,9 @@ def dual_sample(
     raw_logits = () if (return_dict and generation_config.output_logits) else None
     do_sample = generation_config.do_sample
 
-    batch, prompt_len = input_ids.shape
+    embeds = model_kwargs.get("inputs_embeds")
+    prompt = input_ids if embeds is None else embeds
+    batch, prompt_len = prompt.shape[:2]
     device = input_ids.device
     attention_mask = model_kwargs.get("attention_mask")
     positions = _position_ids(attention_mask, batch, prompt_len, device)
@@ -104,27 +90,38 @@ def dual_sample(
     unfinished = torch.ones(batch, dtype=torch.long, device=device)
 
     def forward(tokens: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor, keep: int):
+        inputs = {"inputs_embeds": tokens} if tokens.is_floating_point() else {"input_ids": tokens}
         return model(
-            input_ids=tokens, attention_mask=mask, position_ids=position_ids, use_cache=True,
+            **inputs, attention_mask=mask, position_ids=position_ids, use_cache=True,
             logits_to_keep=keep, dual_cache=cache, **{cache_arg: cache},
         )
 
     cache.check_model(model.config)
-    total_tokens = max(generation_config.max_length, prompt_len) + 1
+    total_tokens = prompt_len + max(generation_config.max_length - input_ids.shape[1], 0) + 1
     cache.max_cache_len = cache.max_cache_len or total_tokens
     try:
+        cache.fit_layers(max(cache.max_cache_len, total_tokens))
+        probe_input = {"input_ids" if embeds is None else "inputs_embeds": prompt[:1, -1:]}
+        check_model_serves_dual(model, cache, cache_arg, probe_input)
+        if not cache.dual_layers:
+            logger.warning_once(
+                f"Every layer of {type(model).__name__} attends over a sliding window shorter than this request "
+                f"({cache.max_cache_len} tokens per sequence): the dual cache keeps each window on the device, as the "
+                "default cache does, and has nothing to offload."
+            )
         cache.reserve_host(batch, total_tokens, model.dtype, prompt_tokens=prompt_len)
-        with dual_attention_enabled(model), torch.inference_mode():
+        with torch.inference_mode():
             chunk = config.prefill_chunk_size
             starts = range(0, prompt_len, chunk)
             for start in tqdm(starts, desc="prefill", unit="chunk", disable=not config.prefill_progress):
                 end = min(start + chunk, prompt_len)
                 outputs = forward(
-                    input_ids[:, start:end], None if attention_mask is None else attention_mask[:, :end],
+                    prompt[:, start:end], None if attention_mask is None else attention_mask[:, :end],
                     positions[:, start:end], 1,
                 )
                 cache.crop(0)  # sliding-window layers drop what falls out of their window
-            cache.end_prefill()
+            if cache.dual_layers:
+                cache.end_prefill()
             step_logits = outputs.logits[:, -1].to(dtype=torch.float32, device=device)
             spec_logits = speculated = last_hit = None
             del outputs

@@ -4,7 +4,8 @@ transformers has no registry for cache implementations (DESIGN.md §4): `Generat
 from the module-level tuple `ALL_CACHE_IMPLEMENTATIONS`, and `_prepare_cache_for_generation` silently builds a
 `DynamicCache` for unknown names. We extend the tuple, wrap `_prepare_cache_for_generation` to build a
 `DualDecoderCache` (and refuse unsupported generation modes before any work), and wrap `_sample` to run the
-dual-token loop whenever the cache is a `DualDecoderCache`. Every other cache implementation is untouched.
+dual-token loop whenever the cache is a `DualDecoderCache`; `routing.py` sends a call's attention to the dual cache
+when the call carries it. Every other cache implementation is untouched.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from transformers.generation import configuration_utils
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerationMixin
 
-from . import attention
+from . import routing
 from .cache import DualDecoderCache
 from .config import DualDecoderConfig
 from .decoding import CACHE_KWARGS, cache_kwarg_name, dual_sample
@@ -52,7 +53,8 @@ def _wrap_prepare_cache(original):
                     "Passing both cache_implementation='dual' and a cache object is unsupported; pass only one."
                 )
             check_generation_supported(generation_config, generation_mode)
-            dual_config = DualDecoderConfig.from_dict(generation_config.cache_config)
+            options = generation_config.cache_config
+            dual_config = options if isinstance(options, DualDecoderConfig) else DualDecoderConfig.from_dict(options)
             model_kwargs[cache_kwarg_name(self)] = DualDecoderCache(
                 self.config, dual_config=dual_config, max_cache_len=max_cache_length + 2
             )
@@ -85,7 +87,7 @@ def _wrap_sample(original):
 
 def register() -> None:
     """Make `cache_implementation="dual"` available to `generate()`. Idempotent; other caches are untouched."""
-    attention.register()
+    routing.register()
     if CACHE_IMPLEMENTATION not in configuration_utils.ALL_CACHE_IMPLEMENTATIONS:
         configuration_utils.ALL_CACHE_IMPLEMENTATIONS = configuration_utils.ALL_CACHE_IMPLEMENTATIONS + (
             CACHE_IMPLEMENTATION,

@@ -1,7 +1,7 @@
 """Backend selection for sparse decode attention: the Triton kernel on CUDA, the torch reference elsewhere.
 
-`sparse_decode_attention(query, segments, query_positions, scaling, backend="auto")` takes the arguments of
-`sparse_decode_attention_reference` (see `dual_cache.kernels.reference` for shapes and the masking rule):
+`sparse_decode_attention(query, segments, query_positions, scaling, backend="auto", softcap=None)` takes the
+arguments of `sparse_decode_attention_reference` (see `dual_cache.kernels.reference` for shapes and the masking rule):
 
 - `"auto"`: the Triton kernel when the query is on a CUDA device, `triton` imports and the kernel supports the
   input (head_dim in [16, 256], fp16/bf16/fp32, one dtype, one device: the kernel's own validation decides, by
@@ -67,6 +67,7 @@ def sparse_decode_attention(
     query_positions: torch.Tensor,
     scaling: float,
     backend: str = "auto",
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Sparse decode attention through the chosen backend; same contract as the reference.
 
@@ -77,15 +78,15 @@ def sparse_decode_attention(
     """
     if backend == "auto":
         if query.device.type != "cuda" or triton_import_error() is not None:
-            return sparse_decode_attention_reference(query, segments, query_positions, scaling)
+            return sparse_decode_attention_reference(query, segments, query_positions, scaling, softcap)
         from .triton_decode import UnsupportedShapeError, sparse_decode_attention_triton
 
         try:  # one validation pass on the hot path: the kernel's own checks decide support
-            return sparse_decode_attention_triton(query, segments, query_positions, scaling)
+            return sparse_decode_attention_triton(query, segments, query_positions, scaling, softcap)
         except UnsupportedShapeError:
-            return sparse_decode_attention_reference(query, segments, query_positions, scaling)
+            return sparse_decode_attention_reference(query, segments, query_positions, scaling, softcap)
     if resolve_backend(query, segments, backend) == "torch":
-        return sparse_decode_attention_reference(query, segments, query_positions, scaling)
+        return sparse_decode_attention_reference(query, segments, query_positions, scaling, softcap)
     error = triton_import_error()
     if error is not None:
         raise RuntimeError(
@@ -94,4 +95,4 @@ def sparse_decode_attention(
         )
     from .triton_decode import sparse_decode_attention_triton
 
-    return sparse_decode_attention_triton(query, segments, query_positions, scaling)
+    return sparse_decode_attention_triton(query, segments, query_positions, scaling, softcap)

@@ -71,6 +71,7 @@ def sparse_decode_attention_reference(
     segments: Sequence[KVSegment],
     query_positions: torch.Tensor,
     scaling: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of a few decode queries over KV segments, GQA/MQA, fp32 softmax.
 
@@ -84,6 +85,8 @@ def sparse_decode_attention_reference(
         segments: `KVSegment`s, all with the same B, H_kv, D and dtype.
         query_positions: `(B, q)` or `(q,)` int64 cache positions of the queries.
         scaling: softmax scale (usually `D ** -0.5`).
+        softcap: logit soft-capping (Gemma 2): scaled logits `s` become `softcap * tanh(s / softcap)` before the
+            softmax, as transformers' eager attention does; None = off.
 
     Returns:
         `(B, H_q, q, D)` in `query.dtype`.
@@ -103,6 +106,8 @@ def sparse_decode_attention_reference(
     allowed = valid[:, :, None, :] & (positions[:, :, None, :] <= qpos[:, None, :, None])  # (B, H_kv, q, S)
     grouped = query.float().reshape(batch, kv_heads, groups, q_len, dim)
     logits = torch.einsum("bhgqd,bhsd->bhgqs", grouped, keys) * scaling
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     logits = logits.masked_fill(~allowed[:, :, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # all-masked rows give NaN → 0
     out = torch.einsum("bhgqs,bhsd->bhgqd", probs, values)

@@ -123,11 +123,11 @@ def _row_sum(x):
 
 @_kernel_source
 def _attend_segment(
-    acc, m_i, l_i, q, qpos, scale_log2,
+    acc, m_i, l_i, q, qpos, scale_log2, cap_log2,
     k_ptr, v_ptr, p_ptr, ok_ptr,
     k_sl, k_sd, v_sl, v_sd, p_sl, ok_sl,
     seg_len, seg_start, start, end, offs_d, d_mask,
-    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # keys [start, end) of the virtual axis, intersected with this segment's [seg_start, seg_start + seg_len)
     lo = tl.maximum(start - seg_start, 0)
@@ -143,6 +143,8 @@ def _attend_segment(
         else:
             s = tl.dot(q, tl.trans(k), input_precision="ieee" if IEEE_DOT else "tf32")
         s = s * scale_log2
+        if SOFTCAP:  # s = logit / softcap here; softcap * tanh(s) in log2 units, tanh(s) = 1 - 2 / (e^(2s) + 1)
+            s = (1.0 - 2.0 / (tl.exp2(s * 2.8853900817779268) + 1.0)) * cap_log2
         allowed = ok[None, :] & (pos[None, :] <= qpos[:, None])
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, _row_max(s))
@@ -175,7 +177,7 @@ def _store_rows(out_ptr, acc, l_i, b, kv_head, rows, row_mask, offs_d, d_mask,
 def _decode_kernel(
     q_ptr, qpos_ptr, out_ptr, ws_acc, ws_m, ws_l,
     q_sb, q_sh, q_sq, q_sd, qp_sb, qp_sq, o_sb, o_sh, o_sq, o_sd,
-    KV_HEADS, GROUPS, M, scale_log2, split, split_base, ws_splits,
+    KV_HEADS, GROUPS, M, scale_log2, cap_log2, split, split_base, ws_splits,
     k0, v0, p0, ok0, len0, k0_sb, k0_sh, k0_sl, k0_sd, v0_sb, v0_sh, v0_sl, v0_sd, p0_sb, p0_sh, p0_sl,
     ok0_sb, ok0_sh, ok0_sl,
     k1, v1, p1, ok1, len1, k1_sb, k1_sh, k1_sl, k1_sd, v1_sb, v1_sh, v1_sl, v1_sd, p1_sb, p1_sh, p1_sl,
@@ -186,7 +188,7 @@ def _decode_kernel(
     ok3_sb, ok3_sh, ok3_sl,
     Q: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SEGS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_OUT: tl.constexpr, UPCAST: tl.constexpr,
-    IEEE_DOT: tl.constexpr,
+    IEEE_DOT: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_split = tl.program_id(1)
@@ -215,35 +217,35 @@ def _decode_kernel(
     end = start + split
 
     acc, m_i, l_i = _attend_segment(
-        acc, m_i, l_i, q, qpos, scale_log2,
+        acc, m_i, l_i, q, qpos, scale_log2, cap_log2,
         k0 + b64 * k0_sb + h64 * k0_sh, v0 + b64 * v0_sb + h64 * v0_sh,
         p0 + b64 * p0_sb + h64 * p0_sh, ok0 + b64 * ok0_sb + h64 * ok0_sh,
         k0_sl, k0_sd, v0_sl, v0_sd, p0_sl, ok0_sl, len0, 0, start, end, offs_d, d_mask,
-        BLOCK_N, UPCAST, IEEE_DOT,
+        BLOCK_N, UPCAST, IEEE_DOT, SOFTCAP,
     )
     if NUM_SEGS > 1:
         acc, m_i, l_i = _attend_segment(
-            acc, m_i, l_i, q, qpos, scale_log2,
+            acc, m_i, l_i, q, qpos, scale_log2, cap_log2,
             k1 + b64 * k1_sb + h64 * k1_sh, v1 + b64 * v1_sb + h64 * v1_sh,
             p1 + b64 * p1_sb + h64 * p1_sh, ok1 + b64 * ok1_sb + h64 * ok1_sh,
             k1_sl, k1_sd, v1_sl, v1_sd, p1_sl, ok1_sl, len1, len0, start, end, offs_d, d_mask,
-            BLOCK_N, UPCAST, IEEE_DOT,
+            BLOCK_N, UPCAST, IEEE_DOT, SOFTCAP,
         )
     if NUM_SEGS > 2:
         acc, m_i, l_i = _attend_segment(
-            acc, m_i, l_i, q, qpos, scale_log2,
+            acc, m_i, l_i, q, qpos, scale_log2, cap_log2,
             k2 + b64 * k2_sb + h64 * k2_sh, v2 + b64 * v2_sb + h64 * v2_sh,
             p2 + b64 * p2_sb + h64 * p2_sh, ok2 + b64 * ok2_sb + h64 * ok2_sh,
             k2_sl, k2_sd, v2_sl, v2_sd, p2_sl, ok2_sl, len2, len0 + len1, start, end, offs_d, d_mask,
-            BLOCK_N, UPCAST, IEEE_DOT,
+            BLOCK_N, UPCAST, IEEE_DOT, SOFTCAP,
         )
     if NUM_SEGS > 3:
         acc, m_i, l_i = _attend_segment(
-            acc, m_i, l_i, q, qpos, scale_log2,
+            acc, m_i, l_i, q, qpos, scale_log2, cap_log2,
             k3 + b64 * k3_sb + h64 * k3_sh, v3 + b64 * v3_sb + h64 * v3_sh,
             p3 + b64 * p3_sb + h64 * p3_sh, ok3 + b64 * ok3_sb + h64 * ok3_sh,
             k3_sl, k3_sd, v3_sl, v3_sd, p3_sl, ok3_sl, len3, len0 + len1 + len2, start, end, offs_d, d_mask,
-            BLOCK_N, UPCAST, IEEE_DOT,
+            BLOCK_N, UPCAST, IEEE_DOT, SOFTCAP,
         )
 
     if WRITE_OUT:
@@ -385,6 +387,7 @@ def sparse_decode_attention_triton(
     segments: Sequence[KVSegment],
     query_positions: torch.Tensor,
     scaling: float,
+    softcap: float | None = None,
     *,
     split_size: int | None = None,
     block_n: int | None = None,
@@ -399,6 +402,7 @@ def sparse_decode_attention_triton(
             bool broadcastable to `(B, H_kv, L)`), read in place.
         query_positions: int64 `(B, q)` or `(q,)`.
         scaling: softmax scale.
+        softcap: logit soft-capping (`softcap * tanh(logit / softcap)`, as the reference); None = off.
         split_size: keys per split of the key axis (flash-decoding); default: chosen from the GPU's SM count
             (one split on CPU / interpreter). Small values force the split + merge path (tests).
         block_n: keys per tile (default 64, 32 for head_dim > 128); a power of two >= 16.
@@ -452,6 +456,10 @@ def sparse_decode_attention_triton(
     # only fp32 operands care; "tf32" is Triton's default for every other dtype
     ieee_dot = query.dtype == torch.float32 and not allow_tf32  # a bool constexpr (str ones fail on triton 3.6)
     programs = batch * kv_heads * m_blocks
+    if softcap is None:
+        scale_log2, cap_log2 = float(scaling) * _LOG2E, 0.0
+    else:  # the kernel scales logits by 1 / softcap before tanh, and by softcap (in log2 units) after
+        scale_log2, cap_log2 = float(scaling) / float(softcap), float(softcap) * _LOG2E
 
     # launches of up to 4 segments each; each launch covers its own range of workspace splits
     launches = []
@@ -483,10 +491,10 @@ def sparse_decode_attention_triton(
             kernels._decode_kernel[(batch * kv_heads, n_splits, m_blocks)](
                 query, qpos, out, ws_acc, ws_m, ws_l,
                 *query.stride(), *qpos.stride(), *out.stride(),
-                kv_heads, groups, rows, float(scaling) * _LOG2E, split, split_base, ws_splits,
+                kv_heads, groups, rows, scale_log2, cap_log2, split, split_base, ws_splits,
                 *flat,
                 Q=q_len, HEAD_DIM=dim, NUM_SEGS=len(group), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-                WRITE_OUT=direct, UPCAST=upcast, IEEE_DOT=ieee_dot,
+                WRITE_OUT=direct, UPCAST=upcast, IEEE_DOT=ieee_dot, SOFTCAP=softcap is not None,
                 num_warps=4 if block_d <= 128 else 8, num_stages=2, enable_fp_fusion=True,
             )
         if not direct:

@@ -18,14 +18,16 @@ def _segments(gen, batch, kv_heads, dim, lengths, max_pos):
     return segments
 
 
-@pytest.mark.parametrize("seed, q_heads, kv_heads, q_len", [(1, 8, 2, 2), (2, 4, 4, 1), (3, 6, 1, 2)])
-def test_matches_explicit_softmax(seed, q_heads, kv_heads, q_len):
+@pytest.mark.parametrize("seed, q_heads, kv_heads, q_len, softcap", [
+    (1, 8, 2, 2, None), (2, 4, 4, 1, None), (3, 6, 1, 2, None), (4, 8, 2, 2, 0.7),
+])
+def test_matches_explicit_softmax(seed, q_heads, kv_heads, q_len, softcap):
     gen = torch.Generator().manual_seed(seed)
     batch, dim, max_pos = 2, 8, 40
     query = torch.randn(batch, q_heads, q_len, dim, generator=gen)
     segments = _segments(gen, batch, kv_heads, dim, [3, 7, 5], max_pos)
     qpos = torch.tensor([[max_pos - q_len + i for i in range(q_len)], [max_pos // 2 + i for i in range(q_len)]])
-    out = sparse_decode_attention_reference(query, segments, qpos, scaling=0.3)
+    out = sparse_decode_attention_reference(query, segments, qpos, scaling=0.3, softcap=softcap)
     keys = torch.cat([s.keys for s in segments], 2)
     values = torch.cat([s.values for s in segments], 2)
     positions = torch.cat([s.positions for s in segments], 2)
@@ -37,6 +39,8 @@ def test_matches_explicit_softmax(seed, q_heads, kv_heads, q_len):
             for i in range(q_len):
                 ok = valid[b, kv] & (positions[b, kv] <= qpos[b, i])
                 logits = (keys[b, kv] @ query[b, h, i]) * 0.3
+                if softcap is not None:  # Gemma 2's logit soft-capping
+                    logits = softcap * torch.tanh(logits / softcap)
                 probs = torch.softmax(logits.masked_fill(~ok, float("-inf")), -1).nan_to_num(0.0)
                 torch.testing.assert_close(out[b, h, i], probs @ values[b, kv], atol=1e-5, rtol=1e-5)
 

@@ -399,3 +399,22 @@ def test_triton_older_than_3_7_is_refused(monkeypatch):
     finally:
         monkeypatch.undo()
         dispatch.triton_import_error.cache_clear()
+
+
+@pytest.mark.parametrize("dtype, split_size", [(torch.float32, None), (torch.float16, 16), (torch.bfloat16, 8)])
+def test_softcap_matches_reference(dtype, split_size):
+    """Logit soft-capping (Gemma 2): `softcap * tanh(logit / softcap)` in the kernel as in the reference, with
+    logits large enough (×4 queries, cap 5) that the cap changes the output."""
+    gen = torch.Generator().manual_seed(211)
+    segments = _random_segments(gen, 2, 2, 64, [4, 37, 13], dtype, 60)
+    query = (4 * torch.randn(2, 4, 2, 64, generator=gen)).to(dtype)
+    qpos = torch.tensor([[40, 41], [58, 59]])
+    expected = sparse_decode_attention_reference(query, segments, qpos, 64 ** -0.5, softcap=5.0)
+    uncapped = sparse_decode_attention_reference(query, segments, qpos, 64 ** -0.5)
+    assert (expected.float() - uncapped.float()).abs().max() > 0.1
+    out = torch.full_like(query, float("nan"))
+    got = sparse_decode_attention_triton(query, segments, qpos, 64 ** -0.5, 5.0, out=out, split_size=split_size,
+                                         block_n=16)
+    torch.testing.assert_close(got.float(), expected.float(), **TOL[dtype])
+    torch.testing.assert_close(sparse_decode_attention(query, segments, qpos, 64 ** -0.5, backend="triton",
+                                                       softcap=5.0).float(), expected.float(), **TOL[dtype])

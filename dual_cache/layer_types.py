@@ -1,0 +1,44 @@
+"""Which layers of a model the dual cache serves as full attention, for a request of a given length.
+
+A model's layers are full attention or slide over a window (`config.layer_types`; models such as Mistral or Phi-3
+give only `config.sliding_window`, which then applies to every layer, as in transformers' own `DynamicCache`). A
+window at least as long as the request attends to every token, so such a layer is full attention for that request
+and the dual cache serves it (host store + selection); a layer whose window is shorter than the request keeps its
+window on the device, as the default cache does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+def resolve_layer_types(text_config: Any, tokens: int | None) -> list[str]:
+    """Attention type of each layer for a request of `tokens` tokens per sequence (prompt + new tokens + the
+    speculated one): `FULL_ATTENTION` or `SLIDING_ATTENTION`.
+
+    Args:
+        text_config: the model's text (decoder) config: `num_hidden_layers`, and `layer_types` and/or
+            `sliding_window`.
+        tokens: tokens per sequence of the request; None when not known yet (every sliding window is then taken
+            as shorter than the request).
+
+    Raises:
+        ValueError: for layer types other than full and sliding-window attention.
+    """
+    n_layers = text_config.num_hidden_layers
+    sliding_window = getattr(text_config, "sliding_window", None)
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is None:
+        layer_types = [SLIDING_ATTENTION if sliding_window else FULL_ATTENTION] * n_layers
+    unsupported = sorted({t for t in layer_types if t not in (FULL_ATTENTION, SLIDING_ATTENTION)})
+    if unsupported:
+        raise ValueError(
+            f"DualDecoderCache serves full-attention and sliding-window layers only; this model has layer "
+            f"types {unsupported}. Use the default cache for this model."
+        )
+    if tokens is not None and sliding_window and tokens <= sliding_window:
+        return [FULL_ATTENTION] * len(layer_types)
+    return list(layer_types)
