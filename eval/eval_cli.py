@@ -13,7 +13,6 @@ import os
 import sys
 import time
 
-EMBEDDED_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SUITES = ("ruler", "longbench", "fidelity")
 
 
@@ -25,7 +24,8 @@ def add_parser(subparsers) -> None:
     sub = ev.add_subparsers(dest="eval_command", required=True)
 
     def suite_options(p):
-        p.add_argument("--model", default=None, help="Hub id, folder or .gguf (default: the embedded SmolLM2-135M)")
+        p.add_argument("--model", default=None, help="named model (gemma3-270m, smollm2-135m), Hub id, folder or .gguf "
+                       "(default: the embedded SmolLM2-135M)")
         p.add_argument("--model-name", default=None, help="name written in the rows (default: derived from --model)")
         p.add_argument("--suites", nargs="+", default=["ruler"], choices=SUITES)
         p.add_argument("--ruler-tasks", nargs="+", default=["niah_single_2"])
@@ -117,12 +117,12 @@ def _methods(args):
 def _load(args):
     import torch
 
-    from ..models import load_model
+    from ..models import load_model, model_display_name
 
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
-    name = args.model_name or (EMBEDDED_MODEL_NAME if args.model is None else args.model)
+    name = args.model_name or model_display_name(args.model)
     return model, tokenizer, name
 
 

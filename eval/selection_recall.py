@@ -23,10 +23,11 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..host_store import HostKVStore
+from ..models import model_display_name
 from ..retrieval import group_attention_mass
 from ..shortlist import select_shortlisted
 from .needle import format_chat, make_needle_prompt
-from .needle_sweep import load_embedded_model, parse_seeds, threads_arg
+from .needle_sweep import load_tool_model, parse_seeds, threads_arg
 from .outputs import write_rows_and_table
 
 RECORDER = "dual_recall_recorder"
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--factors", type=int, nargs="+", default=[2, 4, 8], help="shortlist factors")
     parser.add_argument("--skip-layers", type=int, default=2, help="leave out the first layers (larger budget)")
     parser.add_argument("--threads", type=threads_arg, default=None, help="torch intra-op threads")
+    parser.add_argument("--model", default=None, help="named model (gemma3-270m), folder or .gguf (default: embedded)")
     parser.add_argument("--out", default=None, help="output path without extension (writes .json and .md)")
     args = parser.parse_args(argv)
     try:
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    model, tokenizer = load_embedded_model(args.threads)
+    model, tokenizer = load_tool_model(args.threads, args.model)
     n_sink, window = 4, 64
     values: dict[tuple[int, int], list[torch.Tensor]] = {}
     for seed in seeds:
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         read = min(channels, dim) / dim + keep / n if keep < n - window else 1.0  # else: the exact selection
         rows.append({"channels": channels, "head_dim": dim, "factor": factor, "mean": r.mean().item(),
                      "p10": r.quantile(0.1).item(), "min": r.min().item(), "keys_read": read, "samples": r.numel()})
-    lines = [f"Recall of the exact top-{args.budget} attention mass by the shortlist selection; embedded SmolLM2-135M,"
+    lines = [f"Recall of the exact top-{args.budget} attention mass by the shortlist selection; {model_display_name(args.model)},"
              f" word-needle prompts of {args.tokens} tokens, seeds {args.seeds}, last prompt position's queries, "
              f"layers {args.skip_layers}+ × KV heads.", "",
              "| channels | factor | mean | p10 | min | key bytes read vs exact |", "|---|---|---|---|---|---|"]
