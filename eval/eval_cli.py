@@ -57,7 +57,7 @@ def add_parser(subparsers) -> None:
     suite_options(run)
     run.add_argument("--methods", nargs="+", default=["standard"],
                      help=f"'standard' (all), or specs such as dense dual@128 oracle; names: {list(METHOD_NAMES)}")
-    run.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256, 512], help="dual budgets (standard)")
+    run.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256, 512, 1024], help="dual budgets (standard)")
     run.add_argument("--reference-budget", type=int, default=256, help="budget of dual-none / oracle / quest")
     run.add_argument("--out", default="results/eval/results.jsonl")
     run.add_argument("--no-resume", action="store_true", help="start the output file afresh")
