@@ -158,6 +158,14 @@ def sentences(text: str) -> list[str]:
     return punkt.sent_tokenize(text)
 
 
+@lru_cache(maxsize=512)
+def essay_sentences(n_words: int) -> tuple[str, ...]:
+    """Sentences of the essay haystack's first `n_words` words (the essay repeats when shorter), as RULER's niah.py
+    splits them; cached, since every sample's length search probes the same sizes."""
+    words = essay_words()
+    return tuple(sentences(" ".join(words[i % len(words)] for i in range(n_words)).strip()))
+
+
 @lru_cache(maxsize=1)
 def key_word_parts() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """`(adjectives, nouns)` of wonderwords' lists, sorted and deduplicated. RULER draws a word key uniformly from
@@ -240,9 +248,7 @@ def niah_wording(spec: NiahSpec) -> tuple[str, str, str]:
 def _niah_context(spec: NiahSpec, n: int, needles: list[str], depths: list[int], distractors: list[str],
                   rng: random.Random) -> str:
     if spec.haystack == "essay":
-        words = essay_words()
-        text = " ".join(words[i % len(words)] for i in range(n))  # the essay repeats when too short
-        sents = sentences(text.strip())
+        sents = essay_sentences(n)
         cuts = [0] + sorted(int(len(sents) * (d / 100)) for d in depths) + [len(sents)]
         parts = []
         for i in range(1, len(cuts)):
