@@ -116,7 +116,8 @@ def load_model(name_or_path: str | None = None, dtype: torch.dtype = torch.float
     elif name_or_path in NAMED_MODELS:
         name_or_path = NAMED_MODELS[name_or_path].locate()
     if name_or_path.endswith(".gguf"):
-        name_or_path, kwargs["gguf_file"] = os.path.dirname(os.path.abspath(name_or_path)), os.path.basename(name_or_path)
+        kwargs["gguf_file"] = os.path.basename(name_or_path)
+        name_or_path = os.path.dirname(os.path.abspath(name_or_path))
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kwargs).to(device).eval()
     tokenizer.padding_side = "left"

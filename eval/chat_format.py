@@ -74,7 +74,8 @@ def prompt_format(tokenizer, chat_template: str = "auto", system_prompt: str | N
         raise ValueError(f"chat_template must be one of {CHAT_MODES}, got {chat_template!r}.")
     if chat_template == "none" or not getattr(tokenizer, "chat_template", None):
         if system_prompt not in (None, TEMPLATE_DEFAULT):
-            raise ValueError("a system prompt needs a chat template: this tokenizer has none (or --chat-template none).")
+            raise ValueError("a system prompt needs a chat template: this tokenizer has none (or chat_template is "
+                             "'none').")
         return PLAIN
     messages = [{"role": "user", "content": _TASK}]
     if system_prompt not in (None, TEMPLATE_DEFAULT):

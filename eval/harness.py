@@ -162,8 +162,9 @@ def ruler_items(tokenizer, tasks: list[str], lengths: list[int], samples: int, s
     items = []
     for row in dataset:
         items.append(GenerationItem(
-            dataset="ruler", task=row["task"], length=row["length"], sample=row["sample"], input_ids=list(row["input_ids"]),
-            references=list(row["outputs"]), max_new_tokens=min(row["max_new_tokens"], max_new_tokens or row["max_new_tokens"]),
+            dataset="ruler", task=row["task"], length=row["length"], sample=row["sample"],
+            input_ids=list(row["input_ids"]), references=list(row["outputs"]),
+            max_new_tokens=min(row["max_new_tokens"], max_new_tokens or row["max_new_tokens"]),
             metric=f"string_match_{row['metric']}", scoring={"metric": "ruler_string_match", "mode": row["metric"]},
         ))
     return items

@@ -1,5 +1,5 @@
-"""Word-needle sweep on a real model (default: the embedded one): how many needles dense and each dual configuration answer (issue 2's
-quality target: at 4K, budget 256, as many correct answers as dense).
+"""Word-needle sweep on a real model (default: the embedded one): how many needles dense and each dual
+configuration answer (issue 2's quality target: at 4K, budget 256, as many correct answers as dense).
 
     python -m dual_cache.eval.needle_sweep --tokens 4096 --seeds 0-15 --budget 256 --out results/needle/4k
     python -m dual_cache.eval.needle_sweep --model gemma3-270m --tokens 16384 --seeds 0-7 --out results/needle/gemma-16k
@@ -91,7 +91,8 @@ def run(model, tokenizer, tokens: int, seeds: list[int], budget: int, methods: l
     return rows
 
 
-def markdown(rows: list[dict], methods: list[str], tokens: int, budget: int, model: str = "embedded SmolLM2-135M") -> str:
+def markdown(rows: list[dict], methods: list[str], tokens: int, budget: int,
+             model: str = "embedded SmolLM2-135M") -> str:
     """The per-seed table and the correct-answer counts (`model`: the name written in the caption)."""
     head = "| seed | answer | " + " | ".join(methods) + " |"
     lines = [f"Word needle at {tokens} tokens, budget {budget} (sink 4, window 64), greedy, {model}.", "",

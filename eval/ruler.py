@@ -96,13 +96,17 @@ DEPTHS = tuple(round(100 * i / 39) for i in range(40))
 RULER_SEED = 42
 # "simple" NIAH wording (eval/needle.py's), opt-in: not RULER's
 SIMPLE_NEEDLE = "The special magic {type_1} for {key} is: {value}."
-SIMPLE_QUESTION = "\n\nWhat is the special magic {type_1} for {query} mentioned in the text above? Answer with the {type_1} only."
+SIMPLE_QUESTION = (
+    "\n\nWhat is the special magic {type_1} for {query} mentioned in the text above? Answer with the {type_1} only."
+)
 SIMPLE_QUESTION_MULTI = (
-    "\n\nWhat are all the special magic {type_v} for {query} mentioned in the text above? Answer with the {type_v} only."
+    "\n\nWhat are all the special magic {type_v} for {query} mentioned in the text above? Answer with the "
+    "{type_v} only."
 )
 NIAH_TEMPLATES = ("ruler", "simple")
 QA_FILES = {"qa_1": "squad.json", "qa_2": "hotpotqa.json"}
-QA_SOURCES = {"qa_1": "SQuAD v2.0 dev (dev-v2.0.json)", "qa_2": "HotpotQA dev distractor (hotpot_dev_distractor_v1.json)"}
+QA_SOURCES = {"qa_1": "SQuAD v2.0 dev (dev-v2.0.json)",
+              "qa_2": "HotpotQA dev distractor (hotpot_dev_distractor_v1.json)"}
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,8 @@ METRIC = {"qa": "part"}  # string_match_part for QA, string_match_all for the re
 
 
 def task_family(task: str) -> str:
-    """`"niah"`, `"vt"`, `"cwe"`, `"fwe"` or `"qa"`. Raises `ValueError` for an unknown task (listing the valid ones)."""
+    """`"niah"`, `"vt"`, `"cwe"`, `"fwe"` or `"qa"`. Raises `ValueError` for an unknown task (listing the valid
+    ones)."""
     if task in NIAH_TASKS:
         return "niah"
     if task in ("vt", "cwe", "fwe"):
@@ -408,7 +413,8 @@ def _zeta(alpha: float) -> float:
     return float(mpmath.zeta(alpha))
 
 
-def _fwe(tokenizer, length: int, rng: random.Random, fmt: PromptFormat, alpha: float = 2.0, coded_wordlen: int = 6) -> dict:
+def _fwe(tokenizer, length: int, rng: random.Random, fmt: PromptFormat, alpha: float = 2.0,
+         coded_wordlen: int = 6) -> dict:
     template, answer_prefix = TEMPLATES["fwe"]
     max_len = length - TOKENS_TO_GENERATE["fwe"]
     vocab_size = max_len // 50
@@ -470,11 +476,13 @@ def read_qa(task: str, qa_dir: str) -> tuple[tuple[dict, ...], tuple[str, ...]]:
     docs = sorted({f"{title}\n{''.join(sents)}" for item in data for title, sents in item["context"]})
     index = {d: i for i, d in enumerate(docs)}
     questions = [{"query": item["question"], "outputs": [item["answer"]], "more": [],
-                  "context": [index[f"{title}\n{''.join(sents)}"] for title, sents in item["context"]]} for item in data]
+                  "context": [index[f"{title}\n{''.join(sents)}"] for title, sents in item["context"]]}
+                 for item in data]
     return tuple(questions), tuple(docs)
 
 
-def _qa(tokenizer, task: str, length: int, seed: int, rng: random.Random, fmt: PromptFormat, qa_dir: str | None) -> dict:
+def _qa(tokenizer, task: str, length: int, seed: int, rng: random.Random, fmt: PromptFormat,
+        qa_dir: str | None) -> dict:
     if qa_dir is None:
         raise ValueError(f"{task} needs local {QA_SOURCES[task]} data: pass qa_dir (--ruler-qa-dir) holding "
                          f"{QA_FILES[task]}.")

@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         read = min(channels, dim) / dim + keep / n if keep < n - window else 1.0  # else: the exact selection
         rows.append({"channels": channels, "head_dim": dim, "factor": factor, "mean": r.mean().item(),
                      "p10": r.quantile(0.1).item(), "min": r.min().item(), "keys_read": read, "samples": r.numel()})
-    lines = [f"Recall of the exact top-{args.budget} attention mass by the shortlist selection; {model_display_name(args.model)},"
+    name = model_display_name(args.model)
+    lines = [f"Recall of the exact top-{args.budget} attention mass by the shortlist selection; {name},"
              f" word-needle prompts of {args.tokens} tokens, seeds {args.seeds}, last prompt position's queries, "
              f"layers {args.skip_layers}+ × KV heads.", "",
              "| channels | factor | mean | p10 | min | key bytes read vs exact |", "|---|---|---|---|---|---|"]
