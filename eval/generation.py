@@ -12,7 +12,8 @@ from .methods import Method
 
 @dataclass
 class Generation:
-    """Result of one call: `text` (decoded new tokens, special tokens dropped, stripped), `new_ids`, the cache's
+    """Result of one call: `text` (decoded new tokens, special tokens dropped, not stripped: LongBench scores the
+    raw decode, e.g. a code line's indentation), `new_ids`, the cache's
     `device_bytes` (dual: `cache.stats()["device_bytes"]`; dense: the `DynamicCache`'s K/V tensor bytes at the end),
     `output` (the `generate` output object) and wall `seconds`."""
 
@@ -70,5 +71,5 @@ def generate(model, tokenizer, input_ids: list[int], method: Method, max_new_tok
         )
     seconds = time.perf_counter() - start
     new_ids = output.sequences[0, ids.shape[1]:].tolist()
-    text = tokenizer.decode(new_ids, skip_special_tokens=True).strip()
+    text = tokenizer.decode(new_ids, skip_special_tokens=True)
     return Generation(text, new_ids, cache_device_bytes(output_cache(output)), output, seconds)

@@ -12,11 +12,11 @@ Row schema (one JSON object per line; the model-card renderer `dual_cache.hub_ca
 | `task` | str | RULER task (`niah_single_2`, ...), LongBench task (`hotpotqa`, ...), or fidelity's `teacher_forced_top1` / `greedy_identical` |
 | `method` | str | `dense`, `dual`, `dual-none`, `oracle`, `streaming`, `quest`, `kvpress-<press>` |
 | `budget` | int or null | retrieval budget in tokens per KV head as configured (null for dense; 0 for streaming) |
-| `length` | int | the length bucket in tokens: RULER / fidelity target length (prompt + answer fit in it); LongBench the window prompts are truncated to (`prompt_tokens` has each prompt's own length) |
+| `length` | int | the length bucket in tokens: RULER / fidelity target length (prompt + answer fit in it); LongBench the model window (prompts truncated to LongBench's maximum length for it, `longbench.official_max_length`; `prompt_tokens` has each prompt's own length) |
 | `sample` | int | sample index within (dataset, task, length) |
 | `score` | float | 0–100: RULER string match, LongBench's official metric × 100, fidelity top-1 agreement % or identical-greedy % |
-| `metric` | str | `string_match_all`, LongBench metric name (`qa_f1`, ...), `top1_agreement`, `identical_prefix` |
-| `prediction` | str | the generated text (fidelity: the method's argmax over the greedy steps) |
+| `metric` | str | `string_match_all` or `string_match_part` (RULER QA), LongBench metric name (`qa_f1`, ...), `top1_agreement`, `identical_prefix` |
+| `prediction` | str | the generated text, decoded without special tokens and not stripped (fidelity: the method's argmax over the greedy steps) |
 | `reference` | list[str] | the reference answers (fidelity: dense's greedy continuation) |
 | `device_bytes` | int or null | KV bytes on the compute device: dual `cache.stats()["device_bytes"]`, dense the `DynamicCache` K/V bytes |
 | `model` | str | model name |
@@ -38,6 +38,7 @@ from typing import Any, Iterable
 from tqdm.auto import tqdm
 
 from . import fidelity as fidelity_mod
+from .chat_format import PLAIN, PromptFormat
 from .generation import generate
 from .methods import Method
 
@@ -106,7 +107,8 @@ class RowWriter:
 
 @dataclass
 class GenerationItem:
-    """One prompt of a generation suite (RULER or LongBench) with how to score its prediction."""
+    """One prompt of a generation suite (RULER or LongBench) with how to score its prediction; `extra` goes into
+    its rows, `generate_kwargs` into `generate()` (e.g. samsum's newline stop)."""
 
     dataset: str
     task: str
@@ -118,6 +120,7 @@ class GenerationItem:
     metric: str
     scoring: dict[str, Any]
     extra: dict[str, Any] = field(default_factory=dict)
+    generate_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def score(self, prediction: str) -> float:
         """Score (0–100) of `prediction` against this item's references."""
@@ -146,40 +149,42 @@ def score_prediction(scoring: dict[str, Any], prediction: str, references: list[
 
 
 def ruler_items(tokenizer, tasks: list[str], lengths: list[int], samples: int, seed: int = 0,
-                max_new_tokens: int | None = None, answer_prefix: bool = True,
-                template: str = "ruler") -> list[GenerationItem]:
-    """RULER prompts (`ruler.build_dataset`) as harness items scored with the local `ruler_string_match` metric.
-    `max_new_tokens` caps RULER's per-task answer budget (the prompt length still follows RULER's);
-    `answer_prefix=False` drops RULER's answer prefix; `template` picks the NIAH wording (see
+                max_new_tokens: int | None = None, fmt: PromptFormat = PLAIN, template: str = "ruler",
+                qa_dir: str | None = None) -> list[GenerationItem]:
+    """RULER prompts (`ruler.build_dataset` with the model wrapper `fmt`) as harness items scored with the local
+    `ruler_string_match` metric. `max_new_tokens` caps RULER's per-task answer budget (the prompt length still
+    follows RULER's); `template` picks the NIAH wording and `qa_dir` holds the QA files (see
     `ruler.generate_sample`)."""
     from . import ruler
 
-    dataset = ruler.build_dataset(tokenizer, tasks, lengths, samples, seed=seed, answer_prefix=answer_prefix,
-                                 template=template)
+    dataset = ruler.build_dataset(tokenizer, tasks, lengths, samples, seed=seed, fmt=fmt, template=template,
+                                  qa_dir=qa_dir)
     items = []
     for row in dataset:
-        refs = list(row["outputs"])
         items.append(GenerationItem(
-            dataset="ruler", task=row["task"], length=row["length"], sample=row["sample"], input_ids=list(row["input_ids"]),
-            references=refs, max_new_tokens=min(row["max_new_tokens"], max_new_tokens or row["max_new_tokens"]),
+            dataset="ruler", task=row["task"], length=row["length"], sample=row["sample"],
+            input_ids=list(row["input_ids"]), references=list(row["outputs"]),
+            max_new_tokens=min(row["max_new_tokens"], max_new_tokens or row["max_new_tokens"]),
             metric=f"string_match_{row['metric']}", scoring={"metric": "ruler_string_match", "mode": row["metric"]},
         ))
     return items
 
 
-def longbench_items(tokenizer, tasks: list[str], max_length: int, data_dir: str | None = None,
-                    limit: int | None = None, max_new_tokens: int | None = None) -> list[GenerationItem]:
-    """LongBench prompts (`longbench.build_samples`, truncated to `max_length` tokens with the answer) scored with the
-    local `longbench_score` metric; their `length` is `max_length`."""
+def longbench_items(tokenizer, tasks: list[str], window: int, data_dir: str | None = None, limit: int | None = None,
+                    max_new_tokens: int | None = None, fmt: PromptFormat = PLAIN) -> list[GenerationItem]:
+    """LongBench prompts for a model of `window` positions (`longbench.build_samples`, truncated to LongBench's
+    `official_max_length(window)`, wrapped with `fmt`) scored with the local `longbench_score` metric; their
+    `length` is `window`."""
     from . import longbench
     from .metrics.longbench_score import TASK_METRIC, base_task
 
     items = []
-    for s in longbench.build_samples(tokenizer, tasks, max_length, data_dir=data_dir, limit=limit):
+    for s in longbench.build_samples(tokenizer, tasks, longbench.official_max_length(window), data_dir=data_dir,
+                                     limit=limit, fmt=fmt):
         items.append(GenerationItem(
-            dataset="longbench", task=s["task"], length=max_length, sample=s["sample"], input_ids=s["input_ids"],
+            dataset="longbench", task=s["task"], length=window, sample=s["sample"], input_ids=s["input_ids"],
             references=s["references"], max_new_tokens=min(s["max_new_tokens"], max_new_tokens or s["max_new_tokens"]),
-            metric=TASK_METRIC[base_task(s["task"])], extra={"_id": s["_id"]},
+            metric=TASK_METRIC[base_task(s["task"])], extra={"_id": s["_id"]}, generate_kwargs=s["generate_kwargs"],
             scoring={"metric": "longbench_score", "task": s["task"], "all_classes": s["all_classes"]},
         ))
     return items
@@ -233,7 +238,8 @@ def run(model, tokenizer, methods: list[Method], out_path: str, model_name: str,
                 bar.set_postfix_str(f"{item.task}@{item.length}#{item.sample} {method.label}")
                 if not writer.has(row_key(row)):
                     try:
-                        result = generate(model, tokenizer, item.input_ids, method, item.max_new_tokens)
+                        result = generate(model, tokenizer, item.input_ids, method, item.max_new_tokens,
+                                          **item.generate_kwargs)
                     except Exception as error:  # one failing method must not end a long run; rerun to retry
                         log(f"FAILED {method.label} on {item.task}@{item.length}#{item.sample}: "
                             f"{type(error).__name__}: {error}")

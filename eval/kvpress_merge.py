@@ -15,7 +15,7 @@ from .harness import RowWriter, read_rows, row_key, score_prediction
 
 def export_prompts(items, path: str, model_name: str) -> None:
     """Write one JSON line per `harness.GenerationItem`: `dataset`, `task`, `length`, `sample`, `input_ids`,
-    `references`, `max_new_tokens`, `metric`, `scoring`, `model`."""
+    `references`, `max_new_tokens`, `generate_kwargs`, `metric`, `scoring`, `model`."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     with open(path, "w", encoding="utf-8") as handle:
@@ -23,6 +23,7 @@ def export_prompts(items, path: str, model_name: str) -> None:
             handle.write(json.dumps({
                 "dataset": item.dataset, "task": item.task, "length": item.length, "sample": item.sample,
                 "input_ids": item.input_ids, "references": item.references, "max_new_tokens": item.max_new_tokens,
+                "generate_kwargs": item.generate_kwargs,
                 "metric": item.metric, "scoring": item.scoring, "model": model_name,
             }, ensure_ascii=False) + "\n")
 

@@ -16,7 +16,7 @@ dual cache makes resident per step — i.e. `compression_ratio = 1 - (n_sink + w
 `with press(model): model.generate(...)` (kvpress's own pipeline can keep the question uncompressed; including it
 favours question-aware presses such as SnapKV, so these rows are an optimistic bound for eviction).
 Output rows: `dataset`, `task`, `length`, `sample`, `method` (`kvpress-<press>`), `budget`, `prediction` (decoded
-with the model's tokenizer, special tokens dropped, stripped),
+with the model's tokenizer, special tokens dropped, not stripped, as the main harness),
 `device_bytes` (K/V bytes of the compressed cache after generation), `compression_ratio`, `new_tokens`, `seconds`.
 """
 
@@ -110,13 +110,14 @@ def main(argv=None) -> int:
                         result = model.generate(
                             input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                             max_new_tokens=prompt["max_new_tokens"], return_dict_in_generate=True,
+                            **prompt.get("generate_kwargs", {}),
                         )
                     new = result.sequences[0, ids.shape[1]:].tolist()
                     cache = getattr(result, "past_key_values", None) or getattr(result, "cache", None)
                     row = {
                         "dataset": prompt["dataset"], "task": prompt["task"], "length": prompt["length"],
                         "sample": prompt["sample"], "method": method, "budget": budget,
-                        "prediction": tokenizer.decode(new, skip_special_tokens=True).strip(),
+                        "prediction": tokenizer.decode(new, skip_special_tokens=True),
                         "device_bytes": cache_bytes(cache) if cache is not None else None,
                         "compression_ratio": ratio, "new_tokens": len(new),
                         "seconds": round(time.perf_counter() - start, 3),

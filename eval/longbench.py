@@ -5,18 +5,21 @@ a local folder of the official JSONL files (`<task>.jsonl`, as in the release's 
 row has the official schema: `input`, `context`, `answers` (list), `length`, `dataset`, `language`,
 `all_classes` (list or null), `_id`.
 
-Prompts: the official `dataset2prompt` template per task; the official `dataset2maxlen` new-token budget; the
-chat template is applied except for the few-shot / completion tasks (`trec`, `triviaqa`, `samsum`, `lsht`,
-`lcc`, `repobench-p`), as LongBench's `pred.py` does; prompts longer than the model window are truncated in the
-middle (first half + last half of the tokens), leaving room for the answer. Metrics: `metrics/longbench_score.py`.
+Prompts follow THUDM/LongBench `LongBench/pred.py`: the official `dataset2prompt` template per task and
+`dataset2maxlen` new-token budget; a prompt longer than the model's maximum length (`model2maxlen`: 500 tokens
+under the window, e.g. 3500 for a 4K model), counted with the tokenizer's special tokens, keeps the decoded first
+and last halves of that length; then the model wrapper (`chat_format.PromptFormat`, LongBench's `build_chat`) is
+applied except for the few-shot / completion tasks (`trec`, `triviaqa`, `samsum`, `lsht`, `lcc`, `repobench-p`),
+and the text is tokenized with the tokenizer's special tokens (BOS included for every task). `samsum` stops at a
+newline and generates at least one token, as `pred.py` does. Metrics: `metrics/longbench_score.py`.
 """
 
 from __future__ import annotations
 
 import os
 
+from .chat_format import PLAIN, PromptFormat, encode
 from .metrics.longbench_score import TASK_METRIC, base_task
-from .needle import format_chat
 
 HUB_ID = "THUDM/LongBench"
 TASKS = tuple(TASK_METRIC)
@@ -137,49 +140,54 @@ def load_task(task: str, data_dir: str | None = None):
     return dataset
 
 
-def truncate_middle(tokenizer, text: str, max_tokens: int) -> str:
-    """`text` unchanged if it has at most `max_tokens` tokens, else its first and last `max_tokens // 2` tokens
-    decoded and joined (LongBench's middle truncation)."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(ids) <= max_tokens:
+def official_max_length(window: int) -> int:
+    """LongBench's per-model maximum prompt length for a model of `window` positions, as its `model2maxlen.json`
+    sets it: `1000 * (window // 1024) - 500` (3500 for 4K models, 7500 for 8K, 15500 for 16K, 31500 for 32K).
+
+    Raises:
+        ValueError: a window under 2048 tokens.
+    """
+    if window < 2048:
+        raise ValueError(f"window {window} is too small for LongBench's maximum lengths (use >= 2048 tokens).")
+    return 1000 * (window // 1024) - 500
+
+
+def truncate_middle(tokenizer, text: str, max_length: int) -> str:
+    """`text` unchanged if its tokens *with* special tokens number at most `max_length`, else the decoded first
+    and last `max_length // 2` of those tokens, special tokens dropped, joined (LongBench's `pred.py`)."""
+    ids = encode(tokenizer, text)
+    if len(ids) <= max_length:
         return text
-    half = max_tokens // 2
+    half = max_length // 2
     return tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(ids[-half:], skip_special_tokens=True)
 
 
-def build_prompt(tokenizer, task: str, row: dict, max_length: int) -> list[int]:
-    """Prompt token ids of one LongBench row: template, middle truncation, chat template where LongBench uses it.
+def build_prompt(tokenizer, task: str, row: dict, max_length: int, fmt: PromptFormat = PLAIN) -> list[int]:
+    """Prompt token ids of one LongBench row: template, middle truncation to `max_length`, then the model wrapper
+    `fmt` where LongBench applies `build_chat`, encoded with the tokenizer's special tokens.
 
     Args:
-        max_length: model window in tokens; prompt + `MAX_NEW_TOKENS[task]` fits in it.
-
-    Raises:
-        ValueError: when the window cannot hold the template's fixed text plus the answer.
+        max_length: the model's maximum prompt length in tokens before the wrapper (`official_max_length`).
     """
     name = base_task(task)
-    text = PROMPTS[name].format(context=row["context"], input=row["input"])
-    chat = name not in NO_CHAT_TASKS
+    text = truncate_middle(tokenizer, PROMPTS[name].format(context=row["context"], input=row["input"]), max_length)
+    return encode(tokenizer, text if name in NO_CHAT_TASKS else fmt.wrap(text))
 
-    def encode(t: str) -> list[int]:
-        return format_chat(tokenizer, t) if chat else tokenizer(t, add_special_tokens=False)["input_ids"]
 
-    overhead = len(encode("")) if chat else 0
-    room = max_length - MAX_NEW_TOKENS[name] - overhead
-    if room < 64:
-        raise ValueError(f"max_length {max_length} leaves no room for a {name} prompt and its answer.")
-    for _ in range(8):  # decoding and re-encoding can change counts slightly; shrink until it fits
-        ids = encode(truncate_middle(tokenizer, text, room))
-        excess = len(ids) - (max_length - MAX_NEW_TOKENS[name])
-        if excess <= 0:
-            return ids
-        room -= excess + 2
-    raise ValueError(f"could not fit a {name} prompt into {max_length} tokens.")
+def generate_kwargs(tokenizer, task: str) -> dict:
+    """Extra `generate()` arguments of a task: for `samsum`, stop at a newline as well as EOS and generate at least
+    one token (`pred.py`: `eos_token_id=[eos, id of "\n"]`, `min_length=context + 1`); else none."""
+    if base_task(task) != "samsum":
+        return {}
+    newline = tokenizer.encode("\n", add_special_tokens=False)[-1]
+    return {"eos_token_id": [t for t in (tokenizer.eos_token_id, newline) if t is not None], "min_new_tokens": 1}
 
 
 def build_samples(tokenizer, tasks: list[str], max_length: int, data_dir: str | None = None,
-                  limit: int | None = None) -> list[dict]:
-    """Prompts of every task: dicts with `task`, `sample` (row index), `input_ids`, `references` (answers),
-    `all_classes`, `max_new_tokens`, `length` (prompt tokens after truncation) and `_id`."""
+                  limit: int | None = None, fmt: PromptFormat = PLAIN) -> list[dict]:
+    """Prompts of every task (`build_prompt` with `max_length` and `fmt`): dicts with `task`, `sample` (row
+    index), `input_ids`, `references` (answers), `all_classes`, `max_new_tokens`, `generate_kwargs`, `length`
+    (prompt tokens) and `_id`."""
     for task in tasks:
         base_task(task)
     samples = []
@@ -187,10 +195,11 @@ def build_samples(tokenizer, tasks: list[str], max_length: int, data_dir: str | 
         dataset = load_task(task, data_dir)
         rows = dataset if limit is None else dataset.select(range(min(limit, len(dataset))))
         for i, row in enumerate(rows):
-            ids = build_prompt(tokenizer, task, row, max_length)
+            ids = build_prompt(tokenizer, task, row, max_length, fmt)
             samples.append({
                 "task": task, "sample": i, "input_ids": ids, "references": [str(a) for a in row["answers"]],
                 "all_classes": row.get("all_classes"), "max_new_tokens": MAX_NEW_TOKENS[base_task(task)],
+                "generate_kwargs": generate_kwargs(tokenizer, task),
                 "length": len(ids), "_id": row.get("_id"),
             })
     return samples

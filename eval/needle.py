@@ -2,7 +2,8 @@
 
 The haystack is the Python Language Reference as shipped with every CPython (`pydoc_data.topics`), a real
 technical document available offline. The needle follows RULER's niah template with a word key and a
-7-digit value: "The special magic number for <word> is: <digits>."
+7-digit value: "The special magic number for <word> is: <digits>." A base model without a chat template (e.g.
+Gemma-3-270M) gets the question as a completion ending "\nAnswer: The special magic number for <word> is:".
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def make_needle_prompt(tokenizer, target_tokens: int, seed: int = 0, depth: floa
     """A chat-formatted word-needle question over `target_tokens` tokens of the reference document.
 
     Args:
-        tokenizer: a transformers tokenizer with a chat template (or none: plain text is used).
+        tokenizer: a transformers tokenizer with a chat template (or none: plain text ending in a completion cue,
+            "\nAnswer: The special magic number for <word> is:", is used).
         target_tokens: length of the formatted prompt in tokens (met within a few tokens).
         seed: chooses the key word, the 7-digit value, the needle depth and the document offset.
         depth: needle position as a fraction of the haystack (default: drawn from the seed in [0.1, 0.9]).
@@ -56,6 +58,8 @@ def make_needle_prompt(tokenizer, target_tokens: int, seed: int = 0, depth: floa
         f"\n\nWhat is the special magic number for {key} mentioned in the text above? "
         f"Answer with the number only."
     )
+    if not getattr(tokenizer, "chat_template", None):  # a base model answers a completion, not a question
+        question += f"\nAnswer: The special magic number for {key} is:"
     words = reference_document().split(" ")
     start = rng.randrange(0, len(words) // 2)
 

@@ -1,7 +1,8 @@
-"""Word-needle sweep on the embedded model: how many needles dense and each dual configuration answer (issue 2's
-quality target: at 4K, budget 256, as many correct answers as dense).
+"""Word-needle sweep on a real model (default: the embedded one): how many needles dense and each dual
+configuration answer (issue 2's quality target: at 4K, budget 256, as many correct answers as dense).
 
     python -m dual_cache.eval.needle_sweep --tokens 4096 --seeds 0-15 --budget 256 --out results/needle/4k
+    python -m dual_cache.eval.needle_sweep --model gemma3-270m --tokens 16384 --seeds 0-7 --out results/needle/gemma-16k
 
 Writes `<out>.jsonl` (one row per seed: the answer and each method's text and correctness) and `<out>.md` (the
 table and the counts). Prompts are `needle.make_needle_prompt` ("The special magic number for <word> is: <7
@@ -16,6 +17,7 @@ import sys
 
 import torch
 
+from ..models import model_display_name
 from .needle import format_chat, make_needle_prompt
 from .outputs import write_rows_and_table
 
@@ -60,13 +62,15 @@ def threads_arg(text: str) -> int:
     return value
 
 
-def load_embedded_model(threads: int | None):
-    """`(model, tokenizer)`: the embedded default model, after setting torch's intra-op threads (None: unchanged)."""
+def load_tool_model(threads: int | None, name: str | None = None):
+    """`(model, tokenizer)` of `name` (see `dual_cache.load_model`: None is the embedded default model, or a named
+    model such as `"gemma3-270m"`, a folder or a `.gguf` file), after setting torch's intra-op threads (None:
+    unchanged)."""
     if threads is not None:
         torch.set_num_threads(threads)
-    from ..models import load_default_model
+    from ..models import load_model
 
-    return load_default_model()
+    return load_model(name)
 
 
 def run(model, tokenizer, tokens: int, seeds: list[int], budget: int, methods: list[str], log=print) -> list[dict]:
@@ -89,10 +93,11 @@ def run(model, tokenizer, tokens: int, seeds: list[int], budget: int, methods: l
     return rows
 
 
-def markdown(rows: list[dict], methods: list[str], tokens: int, budget: int) -> str:
-    """The per-seed table and the correct-answer counts."""
+def markdown(rows: list[dict], methods: list[str], tokens: int, budget: int,
+             model: str = "embedded SmolLM2-135M") -> str:
+    """The per-seed table and the correct-answer counts (`model`: the name written in the caption)."""
     head = "| seed | answer | " + " | ".join(methods) + " |"
-    lines = [f"Word needle at {tokens} tokens, budget {budget} (sink 4, window 64), greedy, embedded SmolLM2-135M.", "",
+    lines = [f"Word needle at {tokens} tokens, budget {budget} (sink 4, window 64), greedy, {model}.", "",
              head, "|" + "---|" * (len(methods) + 2)]
     for row in rows:
         cells = [("✓ " if row[m] else "✗ ") + repr(row[f"{m}_text"].strip()[-24:]) for m in methods]
@@ -108,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=int, default=256, help="dual budget (tokens per KV head per layer)")
     parser.add_argument("--methods", nargs="+", default=["dense", "dual", "dual-no-repair"], choices=list(METHODS))
     parser.add_argument("--threads", type=threads_arg, default=None, help="torch intra-op threads")
+    parser.add_argument("--model", default=None, help="named model (gemma3-270m, smollm2-135m), folder or .gguf "
+                        "(default: the embedded SmolLM2-135M)")
     parser.add_argument("--out", default=None, help="output path without extension (writes .jsonl and .md)")
     args = parser.parse_args(argv)
     try:
@@ -117,9 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    model, tokenizer = load_embedded_model(args.threads)
+    model, tokenizer = load_tool_model(args.threads, args.model)
     rows = run(model, tokenizer, args.tokens, seeds, args.budget, args.methods)
-    table = markdown(rows, args.methods, args.tokens, args.budget)
+    table = markdown(rows, args.methods, args.tokens, args.budget, model_display_name(args.model))
     print(table)
     if args.out:
         write_rows_and_table(args.out, rows, table, jsonl=True)

@@ -30,11 +30,12 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..config import DualDecoderConfig
 from ..host_store import HostKVStore
+from ..models import model_display_name
 from ..retrieval import group_attention_mass
 from ..selectors import SELECTORS, Candidates
 from .bench_retrieval import key_bytes_read
 from .needle import format_chat, make_needle_prompt
-from .needle_sweep import parse_seeds, threads_arg
+from .needle_sweep import load_tool_model, parse_seeds, threads_arg
 from .outputs import write_rows_and_table
 
 RECORDER = "dual_recall_recorder"
@@ -133,7 +134,6 @@ def layer_recalls(queries: torch.Tensor, keys: torch.Tensor, scaling: float, bud
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="model path or id (default: the embedded SmolLM2-135M)")
     parser.add_argument("--tokens", type=int, default=8192, help="prompt length (tokens)")
     parser.add_argument("--seeds", default="0-3", help="needle prompts, e.g. 0-3 or 0,5")
     parser.add_argument("--budget", type=int, default=256, help="tokens per KV head")
@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--queries", type=int, default=16, help="last prompt positions whose queries are scored")
     parser.add_argument("--skip-layers", type=int, default=2, help="leave out the first layers (larger budget)")
     parser.add_argument("--threads", type=threads_arg, default=None, help="torch intra-op threads")
+    parser.add_argument("--model", default=None, help="named model (gemma3-270m), folder or .gguf (default: embedded)")
     parser.add_argument("--out", default=None, help="output path without extension (writes .json and .md)")
     args = parser.parse_args(argv)
     try:
@@ -152,11 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    from ..models import load_model
-
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_tool_model(args.threads, args.model)
     n_sink, window = 4, 64
     results: dict[int, list[dict]] = {i: [] for i in range(len(configs))}
     for seed in seeds:
@@ -180,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             "build_ms_per_1k_tokens": 1e3 * sum(p["build_s"] for p in parts) / len(parts) / (args.tokens / 1000),
             "select_ms": 1e3 * sum(p["select_s"] for p in parts) / len(parts),
         })
-    label = args.model or "embedded SmolLM2-135M"
+    label = model_display_name(args.model)
     lines = [f"Recall of the exact top-{args.budget} attention mass per selector; {label}, word-needle prompts of "
              f"{args.tokens} tokens, seeds {args.seeds}, the last {args.queries} prompt positions' queries, "
              f"full-attention layers {args.skip_layers}+ × KV heads. Timings: this CPU, thread time, one run.", "",

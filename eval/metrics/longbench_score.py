@@ -1,30 +1,31 @@
 """LongBench's official per-task metrics as a local `evaluate` metric (load it by path; no Hub access needed).
 
-Written from the metric definitions of LongBench (Bai et al., 2023, "LongBench: A Bilingual, Multitask Benchmark
-for Long Context Understanding", and its `metrics.py` / `eval.py`):
+Written from THUDM/LongBench (Bai et al., 2023, "LongBench: A Bilingual, Multitask Benchmark for Long Context
+Understanding"; `LongBench/metrics.py` and `LongBench/eval.py`), with the libraries that code uses:
 
-- `qa_f1`: token F1 after SQuAD-style normalisation (lowercase, drop punctuation and the articles a/an/the,
+- `qa_f1`: token F1 after SQuAD-style normalisation (lowercase, drop ASCII punctuation and the articles a/an/the,
   collapse whitespace);
-- `qa_f1_zh`: F1 over Chinese tokens. LongBench segments with `jieba`; here every non-space, non-punctuation
-  *character* is a token (a dependency-free, deterministic segmentation — scores differ slightly from jieba's);
-- `rouge`: ROUGE-L F1 (longest common subsequence of lowercase whitespace tokens); `rouge_zh`: the same over
-  characters (LongBench: jieba words);
-- `classification`: classes named in the prediction (dropping those that are substrings of the reference); 1 /
-  their count when the reference is among them, else 0;
+- `qa_f1_zh`: F1 over `jieba` words (`jieba.cut`, precise mode), each word stripped of Chinese and ASCII punctuation
+  and whitespace, empty words dropped;
+- `rouge`: ROUGE-L F of the `rouge` package (`Rouge().get_scores([prediction], [reference], avg=True)`; its
+  sentence split and union LCS), 0 when the package raises (an empty prediction, a recursion limit on very long
+  texts — LongBench's own `except`); `rouge_zh`: the same over `jieba` words joined by spaces;
+- `classification`: the classes named in the prediction, minus those that are substrings of (but not equal to) the
+  reference — removed while walking the list, so, as in LongBench, a class right after a removed one is never
+  examined; 1 / their count when the reference is among them, else 0;
 - `retrieval` / `retrieval_zh`: share of the numbers in the prediction equal to the reference paragraph id
-  (`Paragraph N` / `段落N`);
-- `count`: share of the numbers in the prediction equal to the reference count;
-- `code_sim`: edit similarity (`difflib.SequenceMatcher.ratio`, the quantity `fuzz.ratio` rounds) between the
-  first prediction line without a code fence or comment and the reference.
+  (`Paragraph N` / `段落N`); `count`: share of the numbers in the prediction equal to the reference count;
+- `code_sim`: `fuzzywuzzy.fuzz.ratio` (difflib's `SequenceMatcher`, as LongBench installs it without
+  `python-Levenshtein`) / 100 between the first prediction line without a code fence or comment and the reference.
 
-Per sample: the best score over the sample's references, × 100. For `trec`, `triviaqa`, `samsum`, `lsht` only the
-first line of the prediction is scored (as LongBench does for these few-shot tasks).
+Per sample: the best score over the sample's references (starting from 0), × 100. For `trec`, `triviaqa`, `samsum`,
+`lsht` only the first line of the prediction is scored (LongBench's `scorer`).
 """
 
 import re
 import string
+import warnings
 from collections import Counter
-from difflib import SequenceMatcher
 
 import datasets
 import evaluate
@@ -65,6 +66,16 @@ def normalize_zh_answer(text):
     return "".join(ch for ch in "".join(text.lower().split()) if ch not in drop)
 
 
+def jieba_words(text):
+    """`jieba`'s precise-mode segmentation of `text` (its dictionary loads once per process, quietly)."""
+    import logging
+
+    import jieba
+
+    jieba.setLogLevel(logging.WARNING)
+    return list(jieba.cut(text, cut_all=False))
+
+
 def token_f1(prediction_tokens, reference_tokens):
     """F1 (0-1) of the bag-of-tokens overlap."""
     same = sum((Counter(prediction_tokens) & Counter(reference_tokens)).values())
@@ -79,45 +90,34 @@ def qa_f1(prediction, reference, **_):
 
 
 def qa_f1_zh(prediction, reference, **_):
-    return token_f1(list(normalize_zh_answer(prediction)), list(normalize_zh_answer(reference)))
+    def words(text):
+        return [w for w in (normalize_zh_answer(t) for t in jieba_words(text)) if w]
 
-
-def lcs_length(a, b):
-    """Length of the longest common subsequence of sequences `a` and `b` (O(len(a) * len(b)))."""
-    if not a or not b:
-        return 0
-    previous = [0] * (len(b) + 1)
-    for x in a:
-        current = [0]
-        for j, y in enumerate(b):
-            current.append(previous[j] + 1 if x == y else max(previous[j + 1], current[j]))
-        previous = current
-    return previous[-1]
-
-
-def rouge_l(prediction_tokens, reference_tokens):
-    """ROUGE-L F1 (0-1) from the LCS of two token lists."""
-    lcs = lcs_length(prediction_tokens, reference_tokens)
-    if lcs == 0:
-        return 0.0
-    precision, recall = lcs / len(prediction_tokens), lcs / len(reference_tokens)
-    return 2 * precision * recall / (precision + recall)
+    return token_f1(words(prediction), words(reference))
 
 
 def rouge(prediction, reference, **_):
-    return rouge_l(prediction.lower().split(), reference.lower().split())
+    from rouge import Rouge
+
+    try:
+        return Rouge().get_scores([prediction], [reference], avg=True)["rouge-l"]["f"]
+    except Exception:  # empty prediction, RecursionError on long texts, ...: LongBench scores these 0
+        return 0.0
 
 
 def rouge_zh(prediction, reference, **_):
-    drop = set(string.whitespace)
-    return rouge_l([c for c in prediction.lower() if c not in drop], [c for c in reference.lower() if c not in drop])
+    return rouge(" ".join(jieba_words(prediction)), " ".join(jieba_words(reference)))
 
 
 def classification(prediction, reference, all_classes=None, **_):
     if not all_classes:
         raise ValueError("classification tasks need `all_classes`.")
     matches = [c for c in all_classes if c in prediction]
-    matches = [c for c in matches if not (c in reference and c != reference)]
+    i = 0
+    while i < len(matches):  # LongBench removes from the list it iterates: the next element is skipped
+        if matches[i] in reference and matches[i] != reference:
+            matches.remove(matches[i])
+        i += 1
     return 1.0 / len(matches) if reference in matches else 0.0
 
 
@@ -140,9 +140,18 @@ def count(prediction, reference, **_):
     return _share_equal(prediction, reference)
 
 
+def fuzz_ratio(a, b):
+    """`fuzzywuzzy.fuzz.ratio(a, b)` (0-100 int), importing it without its "install python-Levenshtein" warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        from fuzzywuzzy import fuzz
+
+    return fuzz.ratio(a, b)
+
+
 def code_sim(prediction, reference, **_):
     line = next((l for l in prediction.lstrip("\n").split("\n") if "`" not in l and "#" not in l and "//" not in l), "")
-    return SequenceMatcher(None, line, reference).ratio()
+    return fuzz_ratio(line, reference) / 100
 
 
 METRIC_FUNCTIONS = {
@@ -160,12 +169,12 @@ def base_task(task):
 
 
 def score_sample(task, prediction, references, all_classes=None):
-    """LongBench score (0-100) of one prediction: the best over its references."""
+    """LongBench score (0-100) of one prediction: the best over its references, from 0."""
     name = base_task(task)
     if name in FIRST_LINE_TASKS:
         prediction = prediction.lstrip("\n").split("\n")[0]
     fn = METRIC_FUNCTIONS[TASK_METRIC[name]]
-    return 100.0 * max((fn(prediction, ref, all_classes=all_classes) for ref in references), default=0.0)
+    return 100.0 * max([0.0] + [fn(prediction, ref, all_classes=all_classes) for ref in references])
 
 
 @evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS)

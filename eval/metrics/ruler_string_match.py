@@ -1,9 +1,13 @@
 """RULER string-match scoring as a local `evaluate` metric (load it by path; no Hub access needed).
 
-`mode="all"` (RULER `string_match_all`, its NIAH / variable-tracking / word-extraction metric): per sample, the
-share of references that occur in the prediction, case-insensitively. `mode="part"` (RULER `string_match_part`,
-its QA metric): 1 when any reference occurs. Scores are 0–100.
+From NVIDIA/RULER `scripts/eval/synthetic/constants.py` and `scripts/eval/evaluate.py`: the prediction is first
+post-processed (stripped, control characters `\x00`-`\x1f` turned into newlines, stripped again); `mode="all"`
+(`string_match_all`, the NIAH / variable-tracking / word-extraction metric): per sample, the share of references
+that occur in the prediction, case-insensitively; `mode="part"` (`string_match_part`, the QA metric): 1 when any
+reference occurs. Scores are 0–100 (RULER rounds only its task means, to 2 decimals).
 """
+
+import re
 
 import datasets
 import evaluate
@@ -18,6 +22,11 @@ Args:
 Returns:
     {"score": mean over samples (0-100), "scores": per-sample scores (0-100)}
 """
+
+
+def postprocess(prediction):
+    """RULER's `postprocess_pred`: strip, control characters to newlines, strip."""
+    return re.sub(r"[\x00-\x1f]", "\n", prediction.strip()).strip()
 
 
 def match_all(prediction, references):
@@ -48,5 +57,5 @@ class RulerStringMatch(evaluate.Metric):
         if any(len(refs) == 0 for refs in references):
             raise ValueError("every prediction needs at least one reference.")
         fn = match_all if mode == "all" else match_part
-        scores = [fn(p, r) for p, r in zip(predictions, references)]
+        scores = [fn(postprocess(p), r) for p, r in zip(predictions, references)]
         return {"score": sum(scores) / len(scores) if scores else 0.0, "scores": scores}
