@@ -4,7 +4,9 @@ the accelerator, chosen one step early from a speculated token (DualDecoder).
 `import dual_cache` registers `cache_implementation="dual"` with transformers' `generate()`.
 """
 
-from .cache import DualDecoderCache, DualLayer, HostMemoryError
+from .cache import DualDecoderCache
+from .host_memory import HostMemoryError
+from .layer import DualLayer
 from .config import DualDecoderConfig
 from .integration import register
 from .models import load_default_model, load_model

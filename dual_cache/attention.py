@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from .cache import DualLayer
+from .layer import DualLayer
 from .kernels import sparse_decode_attention
 
 
@@ -59,15 +59,11 @@ def dual_attention(
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     if not layer.decoding:
         keys, values = layer.prefill_kv(key, value)
-        if attention_mask is not None and attention_mask.dim() == 4:
-            last_row = attention_mask[:, 0, -1, :]
-            cache.record_prompt_validity(last_row if last_row.dtype == torch.bool else last_row == 0)
-        layer.record_query(query[:, :, -1], scaling)
-        layer.index_prompt()
+        layer.end_prefill_chunk(query[:, :, -1], scaling)
         return own(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
 
     q_len = query.shape[2]
-    segments = layer.decode_segments(query, scaling)
+    segments = cache.decode_segments(module.layer_idx, query, scaling)
     n = layer.get_seq_length()
     query_positions = torch.arange(n - q_len, n, device=query.device)
     out = sparse_decode_attention(

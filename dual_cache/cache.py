@@ -1,440 +1,45 @@
 """`DualDecoderCache`: a `transformers.Cache` whose full-attention layers keep every K/V in host memory and only
 sink + local window + the current selection on the device (DESIGN.md §2).
 
-Each full-attention layer is a `DualLayer`; sliding-window layers (e.g. Gemma 3) keep their own window on the
-device with transformers' `DynamicSlidingWindowLayer`. The cache knows nothing of generation: it is told when a
-prefill ends (`end_prefill`) and receives, per layer, the query that selects the next step's entries
-(`submit_selection`). Retrieval and host→device transfer go through `TransferSchedule`.
+Each full-attention layer is a `DualLayer` (`layer.py`); sliding-window layers (e.g. Gemma 3) keep their own window
+on the device with transformers' `DynamicSlidingWindowLayer`. The cache knows nothing of generation: the decode loop
+tells it when a request begins (`begin_request`), when its prompt is stored (`end_prefill`), which sequences each
+step repairs (`begin_step`) and when the request ends (`end_request`); the attention function asks it for a layer's
+decode segments (`decode_segments`). Data flows one way: the cache hands its layers what they need (at construction,
+per request, per step); layers never refer back to it. Between requests the cache keeps its host stores and
+indexes and holds no thread and no device memory, so a later request can continue the same sequences.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import os
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from .config import DualDecoderConfig
+from .host_memory import HostMemory, HostMemoryError, available_host_bytes  # noqa: F401  (public re-exports)
 from .host_store import HostKVStore, planned_capacity
 from .kernels import KVSegment
+from .layer import DualLayer, StepRows
 from .layer_types import SLIDING_ATTENTION, resolve_layer_types
-from .schedule import Selection, TransferSchedule
-from .selectors import SELECTORS, Candidates, Selector
+from .schedule import TransferSchedule
+from .selectors import SELECTORS
+from .sequences import SequenceState
 
-
-class HostMemoryError(MemoryError):
-    """The host store of a request would not fit in the host memory the cache may use."""
-
-
-def _size(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if abs(nbytes) < 1024:
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes:.2f} GiB"
-
-
-def available_host_bytes() -> int:
-    """Host memory available to new allocations now (Linux `MemAvailable`; else free physical pages), bytes."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-@dataclass
-class _SequenceState:
-    """State shared by all layers of one cache: which prompt positions are real tokens, where the sink ends."""
-
-    prompt_valid: torch.Tensor | None = None  # (B, P) bool host; False at pad positions
-    sink_last: torch.Tensor | None = None  # (B,) int64 host: last sink position (first real position - 1 if none)
-    first_real: torch.Tensor | None = None  # (B,) int64 host: first real (non-pad) position; where blocks begin
-    candidates: dict[int, torch.Tensor] = field(default_factory=dict)  # hi -> (B, hi) bool host
-    ring: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # n -> ring positions, valid
-
-    def first_real_so_far(self, host: HostKVStore) -> torch.Tensor:
-        """`(B,)` int64 first real position among the `host.length` prompt positions recorded so far (that length
-        where a sequence has none yet; 0 when no padding was recorded)."""
-        batch, n = host.shape_prefix[0], host.length
-        valid = self.prompt_valid
-        if valid is None or valid.shape[1] != n:
-            return torch.zeros(batch, dtype=torch.long)
-        return torch.where(valid, torch.arange(n), n).amin(dim=1)
-
-    def candidates_below(self, hi: int) -> torch.Tensor:
-        """`(B, hi)` bool: positions < hi that are real tokens and not sink tokens (selectable)."""
-        cached = self.candidates.get(hi)
-        if cached is None:
-            positions = torch.arange(hi)
-            cached = positions[None, :] > self.sink_last[:, None]
-            prompt = min(hi, self.prompt_valid.shape[1])
-            cached[:, :prompt] &= self.prompt_valid[:, :prompt]
-            if len(self.candidates) >= 2:  # keep two bounds: a repaired step asks for hi and hi + 1 in turn
-                del self.candidates[min(self.candidates)]
-            self.candidates[hi] = cached
-        return cached
-
-    def ring_view(self, n: int, q: int, window: int, ring_size: int, sink_last: torch.Tensor):
-        """Positions `(1, 1, R)` held by each window-ring slot once `n` tokens are stored, and their validity
-        `(B, 1, R)` for a step of `q` new tokens: the window `[n - q - window, n)` minus sink and pad positions.
-        Shared by every layer of the step (all layers hold the same positions)."""
-        cached = self.ring.get(n)
-        if cached is None:
-            slots = torch.arange(ring_size, device=sink_last.device)
-            positions = (n - 1) - torch.remainder(n - 1 - slots, ring_size)  # latest position p < n in slot
-            valid = (positions >= n - q - window) & (positions >= 0) & (positions[None, :] > sink_last)
-            cached = (positions[None, None, :], valid[:, None, :])
-            self.ring = {n: cached}
-        return cached
-
-
-def query_drift(query: torch.Tensor, chooser: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """Relative distance between a token's query and the query that chose its entries, per sequence.
-
-    Args:
-        query: `(B, H_q, D)` the real token's query at one layer (any float dtype, any device).
-        chooser: `(B, H_q, D)` the query that selected the entries it attends to (the speculated token's).
-        kv_heads: `H_kv`; the query heads of one KV head (its GQA group) are compared as one `G·D` vector.
-
-    Returns:
-        `(B,)` float32 on `query`'s device: the largest over KV heads of `‖q − q̂‖₂ / ‖q‖₂` (0 for equal queries;
-        huge or inf for a zero query with a non-zero `chooser`).
-    """
-    batch = query.shape[0]
-    real = query.float().reshape(batch, kv_heads, -1)
-    diff = (real - chooser.float().reshape(batch, kv_heads, -1)).norm(dim=-1)
-    return (diff / real.norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)).amax(dim=-1)
-
-
-class DualLayer(CacheLayerMixin):
-    """One full-attention layer: host store of every K/V plus device-resident sink, window ring and selection.
-
-    Device tiers (B = batch, H_kv = KV heads, D = head dim):
-      - sink: `(B, H_kv, n_sink, D)`, the first `n_sink` real prompt tokens of each sequence;
-      - window ring: `(B, H_kv, window + 2, D)`, slot `p % (window + 2)` holds position p; the last `window`
-        committed tokens plus the (up to two) tokens of the running step;
-      - selection: a slot of the schedule's pool, `(B, H_kv, budget, D)`;
-      - whatever the selector keeps there (`Selector.device_bytes`; only the Quest baseline's page metadata).
-
-    The layer's `Selector` (`config.selector`) owns any host-side index; the layer extends it after each prefill
-    chunk and submits its selection jobs to the schedule.
-
-    `update()` appends new K/V to the host store (and the ring once decoding) and returns them unchanged: the
-    dual attention function reads the tiers through `prefill_kv()` and `decode_segments()`.
-    """
-
-    is_sliding = False
-    is_croppable = True
-
-    def __init__(self, layer_idx: int, config: DualDecoderConfig, owner: "DualDecoderCache") -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.config = config
-        self.budget = config.budget_for_layer(layer_idx)
-        self.owner = owner
-        self.state = owner.state
-        self.host: HostKVStore | None = None
-        self.decoding = False
-        self.last_query: torch.Tensor | None = None  # (B, H_q, D) host, the latest position's query
-        self.scaling: float = 1.0
-        self.sink_keys = self.sink_values = self.sink_pos = self.sink_valid = self.sink_last = None
-        self.ring_keys = self.ring_values = None
-        self.ring_size = config.window + 2
-        self.selector: Selector | None = None  # built with the host store when the layer retrieves (budget > 0)
-        self.chooser_query: torch.Tensor | None = None  # (B, H_q, D) the query that chose the next step's entries
-
-    @property
-    def schedule(self) -> TransferSchedule:
-        return self.owner.schedule
-
-    # --- transformers CacheLayerMixin API -------------------------------------------------------------
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch, kv_heads, q, dim = key_states.shape
-        self.device = key_states.device
-        self.dtype = key_states.dtype
-        self.owner.reserve_host(batch, q, key_states.dtype, kv_heads=kv_heads, head_dim=dim)
-        self.host = HostKVStore(
-            batch, kv_heads, dim, key_states.dtype, self.config.host_chunk_tokens,
-            page_lock=key_states.device.type == "cuda", on_alloc=self.owner.claim_host_bytes,
-        )
-        self.host.reserve(self.owner.prompt_tokens)
-        if self.budget > 0:
-            self.selector = SELECTORS[self.config.selector](
-                self.config, self.budget, self.host, self.device, claim_host=self.owner.claim_host_bytes
-            )
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append `(B, H_kv, q, D)` new keys/values; returns them unchanged."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        start = self.host.length
-        self.host.append(key_states, value_states)
-        if self.decoding:
-            q = key_states.shape[2]
-            slot = start % self.ring_size
-            if slot + q <= self.ring_size:
-                self.ring_keys[:, :, slot : slot + q] = key_states
-                self.ring_values[:, :, slot : slot + q] = value_states
-            else:
-                slots = torch.arange(start, start + q, device=self.device) % self.ring_size
-                self.ring_keys.index_copy_(2, slots, key_states)
-                self.ring_values.index_copy_(2, slots, value_states)
-        return key_states, value_states
-
-    def get_seq_length(self) -> int:
-        return 0 if self.host is None else self.host.length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last `-tokens_to_remove` tokens (negative counts only, as transformers ≥5.22)."""
-        if tokens_to_remove > 0:
-            raise ValueError(
-                f"crop({tokens_to_remove}): pass a negative count of tokens to remove, e.g. crop(-1)."
-            )
-        if tokens_to_remove == 0 or self.host is None:
-            return
-        self.host.crop(-tokens_to_remove)
-        if self.selector is not None:
-            self.selector.truncate(self.host.length)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError(
-            "DualDecoderCache cannot reorder sequences (beam search). Use num_beams=1 with cache_implementation='dual'."
-        )
-
-    def reset(self) -> None:
-        self.free()
-        self.host = None
-        self.decoding = False
-        self.is_initialized = False
-
-    # --- tiers used by the dual attention function -----------------------------------------------------
-    def prefill_kv(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values of every position so far, `(B, H_kv, n, D)` on the compute device, for dense prefill.
-
-        The chunk's own `key_states`/`value_states` `(B, H_kv, q, D)` are used as they are; earlier chunks are
-        read back from the host store (one layer at a time on the device).
-        """
-        q = key_states.shape[2]
-        past = self.host.length - q
-        if past == 0:
-            return key_states, value_states
-        self.host.wait_written()
-        keys, values = self.host.read(0, past)
-        keys = torch.cat([keys.to(self.device, non_blocking=True), key_states], dim=2)
-        values = torch.cat([values.to(self.device, non_blocking=True), value_states], dim=2)
-        return keys, values
-
-    def index_prompt(self) -> None:
-        """Extend the selector's host index over the prompt tokens stored so far (after each prefill chunk)."""
-        if self.selector is None:
-            return
-        self.selector.extend(self.host.length, self.state.first_real_so_far(self.host))
-
-    def record_query(self, query: torch.Tensor, scaling: float) -> None:
-        """Keep the last position's query `(B, H_q, D)` of a prefill chunk; it selects the first decode step."""
-        self.last_query = query.detach().to("cpu", torch.float32)
-        self.scaling = scaling
-
-    def start_decoding(self) -> None:
-        """Fill sink and window tiers from the host store and schedule the first step's selection."""
-        self.host.wait_written()
-        n = self.host.length
-        batch, kv_heads = self.host.shape_prefix
-        dim = self.host.head_dim
-        n_sink = self.config.n_sink
-        valid = self.state.prompt_valid
-        # sink positions: the first n_sink real tokens of each sequence (pads never are sink tokens)
-        order = torch.where(valid, torch.arange(valid.shape[1]), valid.shape[1] + torch.arange(valid.shape[1]))
-        first = torch.sort(order, dim=1).values[:, :n_sink]
-        sink_valid = first < valid.shape[1]
-        sink_pos = torch.where(sink_valid, first, torch.zeros_like(first))
-        sink_keys, sink_values = self.host.gather(sink_pos[:, None, :].expand(batch, kv_heads, sink_pos.shape[1]))
-        self.sink_keys, self.sink_values = sink_keys.to(self.device), sink_values.to(self.device)
-        self.sink_pos = sink_pos[:, None, :].to(self.device)  # (B, 1, n_sink)
-        self.sink_valid = sink_valid[:, None, :].to(self.device)
-        self.sink_last = self.state.sink_last[:, None].to(self.device)  # (B, 1)
-        # window ring: the last `window` positions (ring slot p % ring_size)
-        self.ring_keys = torch.zeros(batch, kv_heads, self.ring_size, dim, dtype=self.dtype, device=self.device)
-        self.ring_values = torch.zeros_like(self.ring_keys)
-        first_pos = max(0, n - self.config.window)
-        slots = torch.arange(first_pos, n, device=self.device) % self.ring_size
-        keys, values = self.host.read(first_pos, n)
-        self.ring_keys.index_copy_(2, slots, keys.to(self.device))
-        self.ring_values.index_copy_(2, slots, values.to(self.device))
-        self.decoding = True
-        if self.selector is not None and self.selector.prefetched:
-            self.submit_selection(self.last_query, committed=n)
-        self.last_query = None
-
-    def submit_selection(self, query: torch.Tensor, committed: int) -> None:
-        """Schedule the selection for the step whose committed length is `committed` tokens.
-
-        Args:
-            query: `(B, H_q, D)` query (any device) of the (speculated or real) token predicting that step.
-            committed: real tokens in the cache when that step starts; its window is `[committed - window,
-                committed)` and candidates lie in `[0, committed - window)` minus sink and pads.
-        """
-        if self.budget == 0:
-            return
-        self.chooser_query = query
-        batch, kv_heads = self.host.shape_prefix
-        shape = (batch, kv_heads, self.budget, self.host.head_dim)
-        self.schedule.submit(self.layer_idx, self._selection_job(query, committed), shape, self.host.dtype)
-
-    def repair_selection(self, query: torch.Tensor, committed: int, rows: torch.Tensor) -> None:
-        """Miss repair: re-select the running step's entries of `rows` with the real token's own query.
-
-        Args:
-            query: `(B, H_q, D)` the real token's query at this layer (slot 0 of the step).
-            committed: real tokens in the cache before the step (as in `submit_selection`).
-            rows: `(B,)` bool host tensor, True for the sequences repaired (a miss, or a drifted query).
-        """
-        if self.budget > 0:
-            self.schedule.repair(self.layer_idx, self._selection_job(query, committed, rows), rows)
-
-    def _selection_job(self, query: torch.Tensor, committed: int, rows: torch.Tensor | None = None):
-        """A job filling a staging `Selection` `(B, H_kv, budget[, D])` with the selector's choice for `query`
-        `(B, H_q, D)` among the candidates below `committed - window`, then gathering their K/V from the host.
-
-        With `rows` (`(B,)` bool host, a repair of a strict subset), only those sequences are selected, one at a
-        time (a sequence's selection depends on it alone); the other rows of the staging buffer get placeholder
-        entries (position 0, invalid), which `TransferSchedule.repair` never copies."""
-        hi = max(0, committed - self.config.window)
-        subset = None if rows is None or bool(rows.all()) else rows.nonzero().flatten().tolist()
-        query_ready = None
-        if query.device.type == "cuda":  # no host sync on the launch thread: the job waits for the copy's event
-            host_query = torch.empty(query.shape, dtype=torch.float32, pin_memory=True)
-            host_query.copy_(query.detach(), non_blocking=True)
-            query_ready = torch.cuda.Event()
-            query_ready.record(torch.cuda.current_stream(query.device))
-        else:
-            host_query = query.detach().to("cpu", torch.float32)
-        host, selector, scaling = self.host, self.selector, self.scaling
-        candidates = Candidates(self.state.candidates_below(hi), self.state.first_real)
-
-        def job(staging: Selection) -> None:
-            if query_ready is not None:
-                query_ready.synchronize()
-            if hi == 0:
-                staging.indices.zero_()
-                staging.valid.zero_()
-            else:
-                host.wait_written()
-                if subset is None:
-                    indices, valid = selector.select(host_query, candidates, scaling)
-                else:
-                    indices, valid = staging.indices.zero_(), staging.valid.zero_()
-                    for row in subset:
-                        one = slice(row, row + 1)
-                        indices[one], valid[one] = selector.select(host_query[one], candidates.row(row), scaling)
-                staging.indices.copy_(indices)
-                staging.valid.copy_(valid)
-            host.gather(staging.indices, out=(staging.keys, staging.values))
-
-        return job
-
-    def decode_segments(self, query: torch.Tensor, scaling: float) -> list[KVSegment]:
-        """The device-resident KV segments the running step attends to: sink, selection, window ring.
-
-        Args:
-            query: `(B, H_q, q, D)` queries of the step (q = 1 or 2); the oracle and Quest selectors select with
-                the real token's query (slot 0) here, synchronously, and so does miss repair for the rows in
-                `DualDecoderCache.repair_rows`.
-
-        Returns:
-            `KVSegment`s read in place (no concatenation); the ring segment also holds the step's q new tokens.
-        """
-        q = query.shape[2]
-        n = self.host.length  # includes the q new tokens
-        segments = [KVSegment(self.sink_keys, self.sink_values, self.sink_pos, self.sink_valid)]
-        if self.budget > 0:
-            selector = self.selector
-            if not selector.prefetched:  # chosen now, with the real token's query
-                self.scaling = scaling
-                self.submit_selection(query[:, :, 0], committed=n - q)
-            selection = self.schedule.acquire(self.layer_idx)
-            if selector.repairable and not selector.selects_everything(n - q - self.config.window):
-                repair = self._rows_to_repair(query[:, :, 0])
-                if repair is not None:
-                    self.repair_selection(query[:, :, 0], n - q, repair)
-            segments.append(KVSegment(selection.keys, selection.values, selection.indices, selection.valid))
-        ring_pos, ring_valid = self.state.ring_view(n, q, self.config.window, self.ring_size, self.sink_last)
-        segments.append(KVSegment(self.ring_keys, self.ring_values, ring_pos, ring_valid))
-        return segments
-
-    def _rows_to_repair(self, real_query: torch.Tensor) -> torch.Tensor | None:
-        """`(B,)` bool host rows whose entries this layer re-selects with `real_query` `(B, H_q, D)`: the owner's
-        miss rows, plus the hit rows whose query drifted from the one that chose the entries (`repair_drift`);
-        None when there are none."""
-        missed, hit = self.owner.repair_rows, self.owner.drift_check_rows
-        threshold = self.config.repair_drift
-        if hit is None or threshold is None or self.chooser_query is None:
-            return missed
-        chooser = self.chooser_query.to(real_query.device, non_blocking=True)
-        drifted = (query_drift(real_query, chooser, self.host.shape_prefix[1]) >= threshold).cpu() & hit
-        if not drifted.any():
-            return missed
-        self.owner.drift_repairs += 1
-        return drifted if missed is None else missed | drifted
-
-    def release(self) -> None:
-        """The running step's attention at this layer is queued; its selection slot may be reused."""
-        if self.budget > 0:
-            self.schedule.release(self.layer_idx)
-
-    @property
-    def device_bytes(self) -> int:
-        """Bytes of this layer's device tiers: sink, window ring, what the selector keeps there (the Quest
-        baseline's page metadata); selection slots are pooled and counted by the schedule."""
-        tensors = (self.sink_keys, self.sink_values, self.ring_keys, self.ring_values)
-        selector = 0 if self.selector is None else self.selector.device_bytes
-        return sum(t.nbytes for t in tensors if t is not None) + selector
-
-    @property
-    def host_bytes(self) -> int:
-        """Host bytes of this layer's store and of its selector's host state (an index, a key copy)."""
-        if self.host is None:
-            return 0
-        return self.host.nbytes + (0 if self.selector is None else self.selector.host_bytes)
-
-    def dense_bytes(self) -> int:
-        """Bytes a `DynamicCache` layer would hold for the same tokens."""
-        if self.host is None:
-            return 0
-        batch, kv_heads = self.host.shape_prefix
-        element = torch.empty((), dtype=self.host.dtype).element_size()
-        return 2 * batch * kv_heads * self.host.length * self.host.head_dim * element
-
-    def free(self) -> None:
-        """Release host chunks and device tiers (the token count stays readable)."""
-        if self.host is not None:
-            self.host.free()
-        if self.selector is not None:
-            self.selector.free()
-        self.sink_keys = self.sink_values = self.ring_keys = self.ring_values = None
-        self.chooser_query = None
+SCHEDULE_COUNTERS = ("steps", "bytes_copied", "retrieval_seconds", "copy_seconds", "wait_seconds", "repairs",
+                     "repaired_steps", "repair_seconds")
 
 
 class DualDecoderCache(Cache):
     """A KV cache for DualDecoder decoding: the full cache in host memory, only a few entries per step on device.
 
     Use it through `model.generate(..., cache_implementation="dual", cache_config={...})` after
-    `import dual_cache`, or pass `cache=DualDecoderCache(model.config, budget=256)`.
+    `import dual_cache`, or pass `cache=DualDecoderCache(model.config, budget=256)`. A cache passed to `generate()`
+    stays open afterwards: pass it again with `input_ids` that extend its sequences to continue them without a
+    new prefill of what it holds; `close()` (or a `with` block, or garbage collection) releases it.
 
     Args:
         config: the model's `PretrainedConfig` (its text config is used); needs `num_hidden_layers`,
@@ -471,17 +76,19 @@ class DualDecoderCache(Cache):
         self.head_dim = getattr(text_config, "head_dim", None) or (
             text_config.hidden_size // text_config.num_attention_heads
         )
-        self.state = _SequenceState()
-        self.schedule: TransferSchedule | None = None
+        self.sequences = SequenceState(self.dual_config.n_sink)
+        self.host_memory = HostMemory(self.dual_config.max_host_bytes)
+        self.schedule: TransferSchedule | None = None  # the running request's
         self.max_cache_len = max_cache_len
+        self.step_rows = StepRows()
         self.spec_hits = 0
         self.spec_steps = 0
-        self.repair_rows: torch.Tensor | None = None
-        self.drift_check_rows: torch.Tensor | None = None
         self.drift_repairs = 0
-        self.host_limit: int | None = None
-        self.host_claimed = 0
-        self.prompt_tokens = 0  # reserved at once by each host store (`reserve_host`)
+        self.requests = 0  # requests begun on this cache
+        self.token_ids: torch.Tensor | None = None  # (B, stored) int64 host: the stored positions' token ids
+        self._request_tokens = 0
+        self._finished = dict.fromkeys(SCHEDULE_COUNTERS, 0)  # schedule counters of the requests that ended
+        self._decoding_device_bytes = 0  # device bytes the last ended request held while decoding
         self._final_stats: dict | None = None
         self._timeline: list[dict] = []
         super().__init__(layers=self._build_layers(max_cache_len))
@@ -495,7 +102,8 @@ class DualDecoderCache(Cache):
                 layer = DynamicSlidingWindowLayer(sliding_window=self.text_config.sliding_window)
                 layer.activate_past_recording()  # keeps the speculated token until crop(-1) removes it
             else:
-                layer = DualLayer(layer_idx, self.dual_config, self)
+                budget = self.dual_config.budget_for_layer(layer_idx)
+                layer = DualLayer(layer_idx, self.dual_config, budget, self.sequences, self.host_memory)
             layers.append(layer)
         return layers
 
@@ -508,25 +116,6 @@ class DualDecoderCache(Cache):
     @property
     def dual_layers(self) -> list[DualLayer]:
         return [layer for layer in self.layers if isinstance(layer, DualLayer)]
-
-    def _ensure_schedule(self, device: torch.device) -> None:
-        if self._final_stats is not None:
-            raise RuntimeError("This DualDecoderCache was closed; create a new one for the next generate() call.")
-        if self.schedule is None:
-            if self.max_cache_len:  # no layer can select or hold more than every token of the request
-                for layer in self.dual_layers:
-                    layer.budget = min(layer.budget, self.max_cache_len)
-                    layer.ring_size = min(self.dual_config.window, self.max_cache_len) + 2
-            retrieving = [layer for layer in self.dual_layers if layer.budget > 0]
-            self.schedule = TransferSchedule(
-                device,
-                layer_order=[layer.layer_idx for layer in retrieving],
-                slot_tokens=max([layer.budget for layer in retrieving], default=0),
-                layers_in_flight=self.dual_config.layers_in_flight,
-                lookahead=self.dual_config.lookahead,
-                threads=self.dual_config.threads_for(torch.device(device)),
-                record_timeline=self.dual_config.record_timeline,
-            )
 
     def check_model(self, config: Any) -> None:
         """Raise `ValueError` unless this cache was built for a model with `config`'s layers and KV head shape."""
@@ -541,6 +130,7 @@ class DualDecoderCache(Cache):
                 f"{theirs}. Build it from the model's own config: DualDecoderCache(model.config, ...)."
             )
 
+    # --- host memory ---------------------------------------------------------------------------------------
     def host_bytes_needed(self, batch_size: int, tokens: int, dtype: torch.dtype, kv_heads: int | None = None,
                           head_dim: int | None = None, prompt_tokens: int = 0) -> int:
         """Host bytes the stores of every full-attention layer (and their selectors' host state) take for `tokens`
@@ -555,60 +145,96 @@ class DualDecoderCache(Cache):
         retrieving = sum(1 for layer in self.dual_layers if layer.budget > 0)
         return len(self.dual_layers) * store + int(retrieving * batch_size * capacity * selector)
 
-    def reserve_host(self, batch_size: int, tokens: int, dtype: torch.dtype, kv_heads: int | None = None,
-                     head_dim: int | None = None, prompt_tokens: int | None = None) -> None:
-        """Check, before anything is allocated, that `tokens` tokens per sequence fit in host memory.
+    # --- one request -----------------------------------------------------------------------------------------
+    def begin_request(self, batch_size: int, tokens: int, dtype: torch.dtype, device: torch.device,
+                      valid: torch.Tensor | None, input_tokens: int) -> None:
+        """A request begins: check that it fits in host memory (before anything is allocated), record which input
+        positions are real tokens, and start its transfer schedule.
 
-        Uses `max(tokens, max_cache_len)`. The limit is `max_host_bytes`, or 90% of the host memory available at
-        the first check. With `prompt_tokens`, every layer's host store reserves that many tokens in its first
-        chunk when it is created (the prompt), and grows geometrically from there.
+        Args:
+            batch_size: sequences of the request.
+            tokens: tokens per sequence the cache will hold at most during the request (input + new + 1).
+            dtype: the model's K/V dtype; device: where attention runs.
+            valid: `(B, input_tokens)` bool or 0/1 attention mask of the whole input (positions already stored
+                included), or None when every position is real.
+            input_tokens: positions of the input (stored + new prompt tokens).
 
         Raises:
+            RuntimeError: if the cache is closed or a request is already running on it.
+            ValueError: if the batch differs from the stored sequences'.
             HostMemoryError: naming the bytes needed, the bytes allowed and the knobs to turn.
         """
-        if self.host_claimed:
-            return  # already allocating: each further chunk is checked by `claim_host_bytes`
-        if prompt_tokens is not None:
-            self.prompt_tokens = prompt_tokens
-        tokens = max(tokens, self.max_cache_len or 0)
-        needed = self.host_bytes_needed(batch_size, tokens, dtype, kv_heads, head_dim, self.prompt_tokens)
-        if self.host_limit is None:
-            configured = self.dual_config.max_host_bytes
-            self.host_limit = configured if configured is not None else int(0.9 * available_host_bytes())
-        if self.host_claimed + needed > self.host_limit:
-            raise HostMemoryError(
-                f"The dual cache needs {_size(needed)} ({needed:,} bytes) of host memory for {batch_size} sequence(s) of "
-                f"{tokens} tokens ({len(self.dual_layers)} full-attention layers), but may use "
-                f"{_size(self.host_limit - self.host_claimed)} more (max_host_bytes="
-                f"{self.dual_config.max_host_bytes}). Lower the batch size, the prompt length or max_new_tokens, "
-                "or raise `max_host_bytes` in cache_config."
-            )
+        if self._final_stats is not None:
+            raise RuntimeError("This DualDecoderCache was closed; create a new one for the next generate() call.")
+        if self.schedule is not None:
+            raise RuntimeError("A request is already running on this DualDecoderCache; one generate() at a time.")
+        stored = self.get_seq_length()
+        if stored == 0:
+            tokens = max(tokens, self.max_cache_len or 0)
+            self.fit_layers(tokens)
+            needed = self.host_bytes_needed(batch_size, tokens, dtype, prompt_tokens=input_tokens)
+        else:
+            held = self.sequences.valid.shape[0]
+            if held != batch_size and (held != 1 or not SELECTORS[self.dual_config.selector].shares_prefix):
+                raise ValueError(
+                    f"This DualDecoderCache holds {held} sequence(s); a request continuing them must have the same "
+                    f"batch size, got {batch_size}"
+                    + ("." if held != 1 else f": selector={self.dual_config.selector!r} cannot share one stored "
+                       "sequence across a batch (use 'clusters', 'exact' or 'block').")
+                )
+            # only the new positions are each sequence's own: the stored ones are kept (shared when held == 1)
+            needed = self.host_bytes_needed(batch_size, tokens - stored, dtype, prompt_tokens=input_tokens - stored)
+        self.host_memory.check(
+            needed, f"{batch_size} sequence(s) of {tokens} tokens ({len(self.dual_layers)} full-attention layers)"
+        )
+        if stored and batch_size != self.sequences.valid.shape[0]:
+            self._share(batch_size)
+        self.sequences.set_prompt(valid, batch_size, input_tokens)
+        self._request_tokens = tokens
+        self.requests += 1
+        self.step_rows = StepRows()
+        self._ensure_schedule(device)
+        for layer in self.dual_layers:
+            layer.begin_request(self.schedule, tokens, reserve=input_tokens)
 
-    def claim_host_bytes(self, nbytes: int) -> None:
-        """Account for a host chunk about to be allocated; raises `HostMemoryError` past the limit."""
-        if self.host_limit is None:
-            self.reserve_host(1, 0, torch.float32)  # sets the limit
-        if self.host_claimed + nbytes > self.host_limit:
-            raise HostMemoryError(
-                f"The dual cache's host stores would exceed {_size(self.host_limit)} (another "
-                f"{_size(nbytes)} chunk requested). Lower the batch size or the number of tokens, or raise "
-                "`max_host_bytes` in cache_config."
-            )
-        self.host_claimed += nbytes
+    def _share(self, batch_size: int) -> None:
+        """The one stored sequence becomes a prefix that `batch_size` sequences continue: full-attention layers
+        keep it once on the host, sliding-window layers copy their window per sequence."""
+        self.sequences.share(batch_size)
+        if self.token_ids is not None:
+            self.token_ids = self.token_ids.expand(batch_size, -1).clone()
+        for layer in self.layers:
+            if isinstance(layer, DualLayer):
+                layer.share(batch_size)
+            elif layer.is_initialized:
+                layer.batch_repeat_interleave(batch_size)
 
-    @torch.compiler.disable  # host-side work: a graph break under torch.compile, never traced
+    def _ensure_schedule(self, device: torch.device) -> None:
+        """Start the request's transfer schedule (slots sized to its largest layer budget)."""
+        if self.schedule is not None:
+            return
+        retrieving = [layer for layer in self.dual_layers if layer.budget > 0]
+        self.schedule = TransferSchedule(
+            device,
+            layer_order=[layer.layer_idx for layer in retrieving],
+            slot_tokens=max([min(layer.budget, self._request_tokens) for layer in retrieving], default=0),
+            layers_in_flight=self.dual_config.layers_in_flight,
+            lookahead=self.dual_config.lookahead,
+            threads=self.dual_config.threads_for(torch.device(device)),
+            record_timeline=self.dual_config.record_timeline,
+        )
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Store `(B, H_kv, q, D)` new keys/values of `layer_idx` (transformers `Cache.update` contract)."""
-        if isinstance(self.layers[layer_idx], DualLayer):
-            self._ensure_schedule(key_states.device)
+        if isinstance(self.layers[layer_idx], DualLayer) and self.schedule is None:
+            raise RuntimeError(
+                "DualDecoderCache stores tokens only during generate(): pass it to model.generate(..., cache=cache)."
+            )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def record_prompt_validity(self, valid: torch.Tensor) -> None:
-        """Record which key positions `[0, n)` are real tokens; `valid` is `(B, n)` bool, False at pads."""
-        self.state.prompt_valid = valid.detach().to("cpu", torch.bool)
-
     def end_prefill(self) -> None:
-        """The prompt is complete: fill the device sink and window tiers and schedule step 1's selection.
+        """The request's prompt is stored: fix the sink (on the first request), fill the device tiers and schedule
+        the first step's selections.
 
         Raises:
             RuntimeError: if no prompt was stored.
@@ -616,32 +242,19 @@ class DualDecoderCache(Cache):
         dual = self.dual_layers
         if not dual or dual[0].host is None:
             raise RuntimeError("end_prefill() called before any prompt tokens were stored in the cache.")
-        n = dual[0].host.length
-        batch = dual[0].host.shape_prefix[0]
-        if self.state.prompt_valid is None or self.state.prompt_valid.shape[1] != n:
-            self.state.prompt_valid = torch.ones(batch, n, dtype=torch.bool)
-        valid = self.state.prompt_valid
-        n_sink = self.dual_config.n_sink
-        sink_count = valid.long().cumsum(dim=1)
-        is_sink = valid & (sink_count <= n_sink)
-        positions = torch.arange(n).expand(batch, n)
-        first_real = torch.where(valid, positions, torch.full_like(positions, n)).amin(dim=1)
-        last_sink = torch.where(is_sink, positions, torch.full_like(positions, -1)).amax(dim=1)
-        self.state.sink_last = torch.maximum(last_sink, first_real - 1)  # pads lie at or below it
-        self.state.first_real = first_real
-        self.state.candidates = {}
-        self.state.ring = {}
+        batch, n = dual[0].host.shape_prefix[0], dual[0].host.length
+        self.sequences.finish_prompt(batch, n)
         for layer in dual:
             layer.start_decoding()
 
-    def set_repair_rows(self, missed: torch.Tensor | None, hit: torch.Tensor | None = None) -> None:
-        """Mark the sequences whose selections for the next forward are repaired (`miss_repair`).
+    def begin_step(self, repair: torch.Tensor | None = None, check: torch.Tensor | None = None) -> None:
+        """The sequences the next forward re-selects with the real token's query (`miss_repair`).
 
         Args:
-            missed: `(B,)` bool, True where the speculated token that chose the next step's entries differed from
-                the real token (or on the first decode step): repaired in every layer of the next forward.
-            hit: `(B,)` bool, True for the live sequences whose speculated token hit: repaired in the layers where
-                their query drifted (`repair_drift`). None (or no True) = nothing to repair / check.
+            repair: `(B,)` bool, True where the speculated token that chose the next step's entries differed from
+                the real token (or on the first decode step): re-selected in every layer.
+            check: `(B,)` bool, True for the live sequences whose speculated token hit: re-selected in the layers
+                where their query drifted (`repair_drift`). None (or no True) = nothing to repair / check.
         """
         def host_rows(rows: torch.Tensor | None) -> torch.Tensor | None:
             if rows is None:
@@ -649,13 +262,89 @@ class DualDecoderCache(Cache):
             rows = rows.detach().to("cpu", torch.bool)
             return rows if rows.any() else None
 
-        self.repair_rows, self.drift_check_rows = host_rows(missed), host_rows(hit)
+        self.step_rows = StepRows(host_rows(repair), host_rows(check))
+
+    def decode_segments(self, layer_idx: int, query: torch.Tensor, scaling: float) -> list[KVSegment]:
+        """The segments layer `layer_idx` attends to in the running decode step (`DualLayer.decode_segments` with
+        this step's rows); counts drift repairs."""
+        segments, drifted = self.layers[layer_idx].decode_segments(query, scaling, self.step_rows)
+        self.drift_repairs += drifted
+        return segments
 
     def record_speculation(self, hits: int, steps: int) -> None:
         """Add speculation outcomes: `hits` of `steps` speculated tokens equalled the real next token."""
         self.spec_hits += int(hits)
         self.spec_steps += int(steps)
 
+    def check_continuation(self, input_ids: torch.Tensor | None, input_tokens: int) -> None:
+        """Raise `ValueError` unless a request's `input_ids` `(B, input_tokens)` extend the sequences this cache
+        holds by at least one token (before any work).
+
+        Args:
+            input_ids: the request's token ids, or None when its input is given as embeddings.
+            input_tokens: positions of the request's input.
+        """
+        if self._final_stats is not None:
+            raise RuntimeError("This DualDecoderCache was closed; create a new one for the next generate() call.")
+        stored = self.get_seq_length()
+        if input_ids is None:
+            raise ValueError(
+                f"This DualDecoderCache holds {stored} tokens; a request continuing it must give input_ids (the "
+                "held tokens followed by new ones), not inputs_embeds. Pass a fresh cache to prefill from embeddings."
+            )
+        if self.token_ids is None:
+            raise ValueError(
+                "This DualDecoderCache was filled from inputs_embeds, so a continuation cannot be checked against "
+                "its tokens. Pass a fresh cache."
+            )
+        held = self.token_ids.shape[0]
+        if input_ids.shape[0] != held and held != 1:
+            raise ValueError(
+                f"This DualDecoderCache holds {held} sequence(s); a request continuing them must have the same batch "
+                f"size (or the cache must hold one sequence, a prefix the batch shares), got {input_ids.shape[0]}."
+            )
+        if input_tokens <= stored:
+            raise ValueError(
+                f"input_ids must extend the {stored} tokens this DualDecoderCache holds by at least one token; got "
+                f"{input_tokens}. Pass the previous output (sequences) followed by the new tokens."
+            )
+        given = input_ids[:, :stored].to("cpu")
+        held_ids = self.token_ids.expand(given.shape[0], -1)
+        if not torch.equal(given, held_ids):
+            row, position = (given != held_ids).nonzero()[0].tolist()
+            raise ValueError(
+                f"input_ids do not extend the sequences this DualDecoderCache holds: sequence {row} has token "
+                f"{int(given[row, position])} at position {position}, where the cache holds "
+                f"{int(held_ids[row, position])}. Pass the previous output (sequences) followed by the new "
+                "tokens, or a fresh cache."
+            )
+
+    def end_request(self, sequences: torch.Tensor | None = None) -> None:
+        """The request ended: stop its retrieval threads and release its device memory (tiers, selection pool,
+        staging). The host stores and indexes stay for a request that continues these sequences.
+
+        Args:
+            sequences: `(B, T)` token ids of the request's sequences (input + generated), kept for the stored
+                positions to check a continuing request (`check_continuation`); None when unknown (embeddings).
+        """
+        if self.schedule is not None:  # a request was running
+            stored = self.get_seq_length()
+            self.token_ids = None if sequences is None or sequences.shape[1] < stored else \
+                sequences[:, :stored].to("cpu", copy=True)
+            self._decoding_device_bytes = self._device_bytes()
+        schedule, self.schedule = self.schedule, None
+        self.step_rows = StepRows()
+        try:
+            if schedule is not None:
+                for name in SCHEDULE_COUNTERS:
+                    self._finished[name] += getattr(schedule, name)
+                self._timeline.extend(schedule.timeline())
+                schedule.close()
+        finally:
+            for layer in self.dual_layers:
+                layer.end_request()
+
+    # --- transformers Cache API ------------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens stored (true count for every layer type; sliding layers report their cumulative length)."""
         if layer_idx >= len(self.layers):
@@ -673,18 +362,19 @@ class DualDecoderCache(Cache):
     def batch_select_indices(self, indices: torch.Tensor):
         raise NotImplementedError("DualDecoderCache cannot drop sequences after prefill.")
 
+    # --- accounting ------------------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
-        """Memory, traffic and pipeline accounting (frozen when the cache is closed).
+        """Memory, traffic and pipeline accounting over every request of this cache (frozen when it is closed).
 
         Returns a dict with:
-            device_bytes: bytes resident on the compute device while decoding (sink + window tiers of full
-                layers, Quest page metadata, the selection pool, the windows of sliding layers);
-            host_bytes: bytes of the host stores;
+            device_bytes: bytes resident on the compute device (while a request decodes: sink + window tiers of
+                full layers, Quest page metadata, the selection pool; the windows of sliding layers);
+            host_bytes: bytes of the host stores and the selectors' host state;
             dense_equivalent_bytes: bytes a `DynamicCache` would hold on the device for the same tokens;
             bytes_copied: host→device bytes of selections so far (K, V, indices, validity);
             spec_hits, spec_steps: speculated tokens that equalled the real one / speculated tokens;
-            seq_length: tokens stored; steps: decode forward passes;
-            retrieval_seconds, copy_seconds: host time spent scoring + gathering, and issuing copies;
+            seq_length: tokens stored; steps: decode forward passes; requests: requests begun;
+            retrieval_seconds, copy_seconds: host time spent selecting + gathering, and issuing copies;
             wait_seconds: time the compute side waited for selections (all of it on the synchronous path);
             overlap_ratio: `1 − wait / (retrieval + copy)` (nan before the first decode step);
             repairs, repaired_steps, repair_seconds: (step, layer) selections redone by miss repair (misses and
@@ -693,77 +383,85 @@ class DualDecoderCache(Cache):
         """
         if self._final_stats is not None:
             return dict(self._final_stats)
-        device = host = dense = 0
+        host = dense = 0
         for layer in self.layers:
             if isinstance(layer, DualLayer):
-                device += layer.device_bytes
                 host += layer.host_bytes
                 dense += layer.dense_bytes()
             elif layer.is_initialized and layer.keys is not None:
-                nbytes = layer.keys.nbytes + layer.values.nbytes
-                device += nbytes
-                dense += nbytes
-        schedule = self.schedule
-        if schedule is not None:
-            device += schedule.device_bytes
+                dense += layer.keys.nbytes + layer.values.nbytes
+        counters = dict(self._finished)
+        if self.schedule is not None:
+            for name in SCHEDULE_COUNTERS:
+                counters[name] += getattr(self.schedule, name)
+        device = self._device_bytes() if self.schedule is not None else self._decoding_device_bytes
+        busy = counters["retrieval_seconds"] + counters["copy_seconds"]
         return {
             "device_bytes": device,
             "host_bytes": host,
             "dense_equivalent_bytes": dense,
-            "bytes_copied": 0 if schedule is None else schedule.bytes_copied,
             "spec_hits": self.spec_hits,
             "spec_steps": self.spec_steps,
             "seq_length": self.get_seq_length(),
-            "steps": 0 if schedule is None else schedule.steps,
-            "retrieval_seconds": 0.0 if schedule is None else schedule.retrieval_seconds,
-            "copy_seconds": 0.0 if schedule is None else schedule.copy_seconds,
-            "wait_seconds": 0.0 if schedule is None else schedule.wait_seconds,
-            "overlap_ratio": float("nan") if schedule is None else schedule.overlap_ratio(),
-            "repairs": 0 if schedule is None else schedule.repairs,
-            "repaired_steps": 0 if schedule is None else schedule.repaired_steps,
-            "repair_seconds": 0.0 if schedule is None else schedule.repair_seconds,
+            "requests": self.requests,
+            **counters,
+            "overlap_ratio": float("nan") if busy == 0 else max(0.0, 1.0 - counters["wait_seconds"] / busy),
             "drift_repairs": self.drift_repairs,
         }
 
+    def _device_bytes(self) -> int:
+        """Device bytes held now: full layers' tiers (and Quest metadata), the selection pool, sliding windows."""
+        device = 0 if self.schedule is None else self.schedule.device_bytes
+        for layer in self.layers:
+            if isinstance(layer, DualLayer):
+                device += layer.device_bytes
+            elif layer.is_initialized and layer.keys is not None:
+                device += layer.keys.nbytes + layer.values.nbytes
+        return device
+
     def timeline(self) -> list[dict]:
-        """Per-(step, layer) pipeline records (needs `record_timeline=True`); see `TransferSchedule.timeline`."""
-        return list(self._timeline) if self._final_stats is not None else (
-            [] if self.schedule is None else self.schedule.timeline()
-        )
+        """Per-(step, layer) pipeline records of every request (needs `record_timeline=True`); see
+        `TransferSchedule.timeline`."""
+        running = [] if self.schedule is None else self.schedule.timeline()
+        return [dict(record) for record in self._timeline] + running
 
     def dump_timeline(self, path: str) -> None:
         """Write `{"stats": stats(), "timeline": timeline()}` as JSON to `path`."""
         with open(path, "w", encoding="utf-8") as handle:
             json.dump({"stats": self.stats(), "timeline": self.timeline()}, handle, indent=1)
 
+    # --- lifecycle -------------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the retrieval thread, free the device tiers, the selection pool and the host stores (pinned or
-        registered memory included). Idempotent; `stats()`, `timeline()` and `get_seq_length()` stay readable."""
+        """End any running request and free the host stores and indexes (pinned or registered memory included).
+        Idempotent; `stats()`, `timeline()` and `get_seq_length()` stay readable."""
         if self._final_stats is not None:
             return
-        final, timeline = self.stats(), self.timeline()
-        self.repair_rows = self.drift_check_rows = None
         try:
-            if self.schedule is not None:
-                self.schedule.close()
+            self.end_request()
         finally:
-            self._final_stats, self._timeline = final, timeline
-            self.schedule = None
+            self._final_stats = self.stats()
             for layer in self.dual_layers:
                 layer.free()
+            self.host_memory.release_all()
+
+    def __enter__(self) -> "DualDecoderCache":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def __deepcopy__(self, memo: dict) -> "DualDecoderCache":
         """A copy of a cache that holds no tokens yet (or is closed); an open cache holding tokens is refused.
 
         Raises:
-            TypeError: when the cache holds tokens and is open (its host stores, device tiers and retrieval thread
-                serve one request).
+            TypeError: when the cache holds tokens and is open (its host stores, device tiers and retrieval threads
+                serve its sequences).
         """
         if self._final_stats is None and self.get_seq_length() > 0:
             raise TypeError(
                 "A DualDecoderCache that holds tokens cannot be copied: its host stores, device tiers and retrieval "
-                "thread serve one running request. Copy it before the request starts (or once it is closed), or "
-                "run a new generate() with a fresh DualDecoderCache."
+                "threads serve its sequences. Copy it before the request starts (or once it is closed), or run a "
+                "new generate() with a fresh DualDecoderCache."
             )
         copied = type(self).__new__(type(self))
         memo[id(self)] = copied

@@ -17,7 +17,8 @@ import weakref
 import torch
 from transformers import DynamicCache
 
-from .cache import DualDecoderCache, DualLayer
+from .cache import DualDecoderCache
+from .layer import DualLayer
 from .routing import SUPPORTED_IMPLEMENTATIONS, AttentionProbe
 
 _verified: "weakref.WeakKeyDictionary[torch.nn.Module, set]" = weakref.WeakKeyDictionary()

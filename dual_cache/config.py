@@ -76,6 +76,8 @@ class DualDecoderConfig:
         cluster_factor: `selector="clusters"`: the best clusters' members make a shortlist of
             `cluster_factor × budget` positions (plus the positions past the last complete segment), among which
             the exact attention mass picks the budget.
+        cluster_min_context: `selector="clusters"`: with fewer selectable positions than this, the exact selection
+            is used (reading every key costs less than the index there); 0 always uses the index.
         shortlist_channels: `selector="shortlist"`: query channels scored per KV head in the first stage; None =
             `max(1, head_dim // 8)` (values above `head_dim` act as `head_dim`).
         shortlist_factor: `selector="shortlist"` keeps `shortlist_factor × budget` positions per KV head for the
@@ -88,7 +90,7 @@ class DualDecoderConfig:
         ngram_size: maximum n-gram length matched by the `"ngram"` speculator (tokens).
         prefill_progress: show a tqdm progress bar over prefill chunks.
         host_chunk_tokens: the largest growth step of a host store (tokens): its first chunk holds the prompt,
-            later chunks add half the capacity, at least 64 and at most this many tokens (appending never copies
+            later chunks add half the capacity, at least 16 and at most this many tokens (appending never copies
             what is stored; `host_store.next_chunk_tokens`).
         max_host_bytes: host bytes the cache may allocate (all layers); None = 90% of the memory available when
             the cache is sized. A request that cannot fit raises `HostMemoryError` before anything is allocated.
@@ -118,6 +120,7 @@ class DualDecoderConfig:
     cluster_size: int = 16
     cluster_segment: int = 1024
     cluster_factor: int = 8
+    cluster_min_context: int = 8192
     retrieval_threads: int | None = None
     prefill_chunk_size: int = 8192
     ngram_size: int = 3
@@ -196,6 +199,7 @@ class DualDecoderConfig:
         _int("cluster_size", self.cluster_size, 1)
         _int("cluster_segment", self.cluster_segment, 1)
         _int("cluster_factor", self.cluster_factor, 1)
+        _int("cluster_min_context", self.cluster_min_context, 0)
         _int("ngram_size", self.ngram_size, 1)
         _int("lookahead", self.lookahead, 0)
         _int("host_chunk_tokens", self.host_chunk_tokens, 1)

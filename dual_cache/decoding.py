@@ -26,6 +26,7 @@ from .speculators import make_speculator
 logger = logging.get_logger(__name__)
 
 CACHE_KWARGS = ("cache", "past_key_values")  # transformers ≥5.24 / 5.22–5.23
+CLOSE_AFTER = "dual_close_after"  # model_kwargs flag: the cache was made for this call alone (`integration.py`)
 
 
 def cache_kwarg_name(model: torch.nn.Module) -> str:
@@ -68,6 +69,7 @@ def dual_sample(
         `return_dict_in_generate=True`.
     """
     cache: DualDecoderCache = next(model_kwargs[k] for k in CACHE_KWARGS if k in model_kwargs)
+    close_after = model_kwargs.pop(CLOSE_AFTER, False)
     config = cache.dual_config
     cache_arg = cache_kwarg_name(model)
     speculator = make_speculator(config.speculator, config.ngram_size)
@@ -82,10 +84,13 @@ def dual_sample(
 
     embeds = model_kwargs.get("inputs_embeds")
     prompt = input_ids if embeds is None else embeds
-    batch, prompt_len = prompt.shape[:2]
+    batch, input_len = prompt.shape[:2]
     device = input_ids.device
     attention_mask = model_kwargs.get("attention_mask")
-    positions = _position_ids(attention_mask, batch, prompt_len, device)
+    stored = cache.get_seq_length()
+    if stored:  # continue the cached sequences: only the new tokens are prefilled
+        cache.check_continuation(input_ids if embeds is None else None, input_len)
+    positions = _position_ids(attention_mask, batch, input_len, device)
     next_position = positions[:, -1] + 1  # (B,)
     unfinished = torch.ones(batch, dtype=torch.long, device=device)
 
@@ -97,24 +102,24 @@ def dual_sample(
         )
 
     cache.check_model(model.config)
-    total_tokens = prompt_len + max(generation_config.max_length - input_ids.shape[1], 0) + 1
-    cache.max_cache_len = cache.max_cache_len or total_tokens
+    total_tokens = input_len + max(generation_config.max_length - input_ids.shape[1], 0) + 1
     try:
-        cache.fit_layers(max(cache.max_cache_len, total_tokens))
-        probe_input = {"input_ids" if embeds is None else "inputs_embeds": prompt[:1, -1:]}
-        check_model_serves_dual(model, cache, cache_arg, probe_input)
-        if not cache.dual_layers:
-            logger.warning_once(
-                f"Every layer of {type(model).__name__} attends over a sliding window shorter than this request "
-                f"({cache.max_cache_len} tokens per sequence): the dual cache keeps each window on the device, as the "
-                "default cache does, and has nothing to offload."
-            )
-        cache.reserve_host(batch, total_tokens, model.dtype, prompt_tokens=prompt_len)
+        if not stored:
+            cache.fit_layers(max(cache.max_cache_len or 0, total_tokens))
+            probe_input = {"input_ids" if embeds is None else "inputs_embeds": prompt[:1, -1:]}
+            check_model_serves_dual(model, cache, cache_arg, probe_input)
+            if not cache.dual_layers:
+                logger.warning_once(
+                    f"Every layer of {type(model).__name__} attends over a sliding window shorter than this request "
+                    f"({total_tokens} tokens per sequence): the dual cache keeps each window on the device, as the "
+                    "default cache does, and has nothing to offload."
+                )
+        cache.begin_request(batch, total_tokens, model.dtype, device, attention_mask, input_len)
         with torch.inference_mode():
             chunk = config.prefill_chunk_size
-            starts = range(0, prompt_len, chunk)
+            starts = range(stored, input_len, chunk)
             for start in tqdm(starts, desc="prefill", unit="chunk", disable=not config.prefill_progress):
-                end = min(start + chunk, prompt_len)
+                end = min(start + chunk, input_len)
                 outputs = forward(
                     prompt[:, start:end], None if attention_mask is None else attention_mask[:, :end],
                     positions[:, start:end], 1,
@@ -157,9 +162,9 @@ def dual_sample(
                     # rows that hit: re-selected in the layers where the real query drifted (`repair_drift`)
                     live = unfinished.bool()
                     if last_hit is None:
-                        cache.set_repair_rows(live)
+                        cache.begin_step(repair=live)
                     else:
-                        cache.set_repair_rows(live & ~last_hit, live & last_hit)
+                        cache.begin_step(repair=live & ~last_hit, check=live & last_hit)
                 if q_per_step == 2:
                     speculated = speculator.propose(input_ids, spec_logits, last_hit)
                     tokens = torch.stack([next_tokens, speculated], dim=1)
@@ -178,7 +183,11 @@ def dual_sample(
                 step_logits = outputs.logits[:, 0].to(dtype=torch.float32, device=device)
                 next_position = next_position + 1
                 del outputs
-    finally:
+        cache.end_request(input_ids if embeds is None else None)
+    except BaseException:
+        cache.close()  # a request that did not finish leaves nothing to continue
+        raise
+    if close_after:
         cache.close()
 
     if streamer is not None:

@@ -22,7 +22,7 @@ import torch
 
 _live_lock = threading.Lock()
 _live_bytes = 0
-MIN_GROWTH = 64  # tokens: the smallest chunk added when the store grows (unless `chunk_tokens` is smaller)
+MIN_GROWTH = 16  # tokens: the smallest chunk added when the store grows (unless `chunk_tokens` is smaller)
 
 
 def next_chunk_tokens(capacity: int, chunk_tokens: int) -> int:
@@ -123,6 +123,7 @@ class HostKVStore:
         self._chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._starts: list[int] = []  # first position of each chunk
         self.capacity = 0  # allocated tokens per (sequence, KV head)
+        self.shared_length = 0  # positions [0, shared_length) are one sequence's, shared by every row (`share`)
         self._finalizer = weakref.finalize(self, _release, self._chunks, self.page_lock)
 
     @staticmethod
@@ -143,6 +144,21 @@ class HostKVStore:
     def nbytes(self) -> int:
         """Allocated host bytes: keys and values."""
         return sum(k.nbytes + v.nbytes for k, v in self._chunks)
+
+    def share(self, batch_size: int) -> None:
+        """Let `batch_size` sequences continue this store's one sequence: the positions stored so far are kept once
+        and read by every row (their chunks keep a batch of 1); later positions are each row's own.
+
+        Raises:
+            ValueError: if the store holds more than one sequence or is already shared.
+        """
+        if self.shape_prefix[0] != 1 or self.shared_length:
+            raise ValueError(
+                f"Only a store of one sequence can be shared, once; this one holds {self.shape_prefix[0]} sequence(s)"
+                f"{' and is shared already' if self.shared_length else ''}."
+            )
+        self.shape_prefix = (batch_size, self.shape_prefix[1])
+        self.shared_length = self.capacity = self.length  # what is left of the last shared chunk stays unused
 
     def reserve(self, tokens: int) -> None:
         """Make room for `tokens` tokens per sequence now, in one chunk (no-op when the capacity suffices)."""
@@ -205,13 +221,21 @@ class HostKVStore:
 
     def crop(self, n_tokens: int) -> None:
         """Forget the last `n_tokens` tokens (their memory is reused by the next append)."""
-        if not 0 <= n_tokens <= self.length:
-            raise ValueError(f"Cannot crop {n_tokens} tokens from a store holding {self.length}.")
+        if not 0 <= n_tokens <= self.length - self.shared_length:
+            raise ValueError(
+                f"Cannot crop {n_tokens} tokens from a store holding {self.length}"
+                f"{f' ({self.shared_length} of them shared by every sequence)' if self.shared_length else ''}."
+            )
         self.length -= n_tokens
 
-    def key_chunks(self, hi: int) -> list[torch.Tensor]:
-        """Views of the keys of positions `[0, hi)`, one `(B, H_kv, n_i, D)` view per chunk (no copy)."""
-        return self._views(0, hi)
+    def key_chunks(self, hi: int, rows: slice | None = None) -> list[torch.Tensor]:
+        """Views of the keys of positions `[0, hi)`, one `(b, H_kv, n_i, D)` view per chunk (no copy): `b` is the
+        store's batch, or `rows`' length when given, or 1 for the chunks of a shared prefix (`share`), which hold
+        every row's keys once."""
+        views = self._views(0, hi)
+        if rows is None:
+            return views
+        return [view if view.shape[0] == 1 and self.shared_length else view[rows] for view in views]
 
     def _views(self, which: int, hi: int) -> list[torch.Tensor]:
         views = []
@@ -219,7 +243,8 @@ class HostKVStore:
             if start >= hi:
                 break
             chunk = keys if which == 0 else values
-            views.append(chunk[:, :, : min(chunk.shape[2], hi - start)])
+            end = min(start + chunk.shape[2], hi, self.shared_length if start < self.shared_length else hi)
+            views.append(chunk[:, :, : end - start])
         return views
 
     def read(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,12 +255,14 @@ class HostKVStore:
         if not self._chunks:
             empty = torch.empty(*self.shape_prefix, 0, self.head_dim, dtype=self.dtype)
             return empty, empty
+        batch = self.shape_prefix[0]
         first, offset = self._locate(lo)
         keys, values = self._chunks[first]
-        if hi - lo <= keys.shape[2] - offset:
-            return keys[:, :, offset : offset + hi - lo], values[:, :, offset : offset + hi - lo]
-        keys = torch.cat(self._views(0, hi), dim=2)[:, :, lo:]
-        values = torch.cat(self._views(1, hi), dim=2)[:, :, lo:]
+        if hi - lo <= keys.shape[2] - offset and (hi <= self.shared_length or lo >= self.shared_length):
+            keys, values = keys[:, :, offset : offset + hi - lo], values[:, :, offset : offset + hi - lo]
+            return keys.expand(batch, *keys.shape[1:]), values.expand(batch, *values.shape[1:])
+        keys = torch.cat([view.expand(batch, *view.shape[1:]) for view in self._views(0, hi)], dim=2)[:, :, lo:]
+        values = torch.cat([view.expand(batch, *view.shape[1:]) for view in self._views(1, hi)], dim=2)[:, :, lo:]
         return keys, values
 
     def gather(self, indices: torch.Tensor, out: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,10 +309,11 @@ class HostKVStore:
         if not indices.numel():
             return target
         batch, kv_heads = indices.shape[:2]
-        sequences = (first + torch.arange(batch * kv_heads)).view(batch, kv_heads, 1)
-        if len(self._chunks) == 1 or int(indices.max()) < self._starts[1]:  # one chunk: one index_select
-            tokens = self._chunks[0][which].shape[2]
-            rows = (sequences * tokens + indices).flatten()
+        own = (first + torch.arange(batch * kv_heads)).view(batch, kv_heads, 1)  # flat (sequence, KV head) rows
+        shared = torch.arange(kv_heads).view(1, kv_heads, 1)  # a shared chunk's rows: one sequence
+        if not self.shared_length and (len(self._chunks) == 1 or int(indices.max()) < self._starts[1]):
+            tokens = self._chunks[0][which].shape[2]  # one chunk: one index_select
+            rows = (own * tokens + indices).flatten()
             torch.index_select(self._chunks[0][which].view(-1, self.head_dim), 0, rows, out=flat_out)
             return target
         starts = torch.tensor(self._starts)
@@ -296,6 +324,7 @@ class HostKVStore:
             if not len(inside):
                 continue
             source = self._chunks[chunk][which]
+            sequences = shared if self._starts[chunk] < self.shared_length else own
             rows = (sequences * source.shape[2] + indices - self._starts[chunk]).flatten()[inside]
             flat_out.index_copy_(0, inside, source.view(-1, self.head_dim).index_select(0, rows))
         return target

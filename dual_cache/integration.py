@@ -19,7 +19,7 @@ from transformers.generation.utils import GenerationMixin
 from . import routing
 from .cache import DualDecoderCache
 from .config import DualDecoderConfig
-from .decoding import CACHE_KWARGS, cache_kwarg_name, dual_sample
+from .decoding import CACHE_KWARGS, CLOSE_AFTER, cache_kwarg_name, dual_sample
 
 CACHE_IMPLEMENTATION = "dual"
 _SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
@@ -50,7 +50,8 @@ def _wrap_prepare_cache(original):
         if generation_config.cache_implementation == CACHE_IMPLEMENTATION:
             if user_cache is not None:
                 raise ValueError(
-                    "Passing both cache_implementation='dual' and a cache object is unsupported; pass only one."
+                    "Passing both cache_implementation='dual' and a cache object is unsupported; pass only the cache "
+                    "(e.g. the DualDecoderCache a previous dual generate() returned) to continue it."
                 )
             check_generation_supported(generation_config, generation_mode)
             options = generation_config.cache_config
@@ -58,13 +59,11 @@ def _wrap_prepare_cache(original):
             model_kwargs[cache_kwarg_name(self)] = DualDecoderCache(
                 self.config, dual_config=dual_config, max_cache_len=max_cache_length + 2
             )
+            if not generation_config.return_dict_in_generate:  # nobody can continue it: close it when done
+                model_kwargs[CLOSE_AFTER] = True
             return None
         if isinstance(user_cache, DualDecoderCache):
             check_generation_supported(generation_config, generation_mode)
-            if user_cache.get_seq_length() > 0:
-                raise ValueError(
-                    "This DualDecoderCache already holds tokens; pass a fresh DualDecoderCache to each generate() call."
-                )
         return original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
 
     _prepare_cache_for_generation._dual_cache_wrapped = True

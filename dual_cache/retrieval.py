@@ -16,18 +16,28 @@ def _logits(query: torch.Tensor, keys: Keys) -> torch.Tensor:
     """`(B, H_kv, G, n)` float32 query·key products, keys given whole or as chunks along the position axis.
 
     Each chunk's product is written into its slice of one float32 tensor (`torch.cat` of bf16 parts followed by
-    `.float()` measured ~10× slower on CPU for 16M products). A chunk that is a prefix view of a larger store
-    chunk (its batch stride is not that of a contiguous tensor) is multiplied one `(sequence, KV head)` matrix at
-    a time: a batched product of such a view copies the whole view first on CPU (measured ~9× slower)."""
+    `.float()` measured ~10× slower on CPU for 16M products). A chunk of batch 1 with several queries holds keys
+    the sequences share (`HostKVStore.share`): all their queries are multiplied in one product. A chunk that is a
+    prefix view of a larger store chunk (its batch stride is not that of a contiguous tensor) is multiplied one
+    `(sequence, KV head)` matrix at a time: a batched product of such a view copies the whole view first on CPU
+    (measured ~9× slower)."""
     chunks = [keys] if isinstance(keys, torch.Tensor) else list(keys)
     batch, q_heads, dim = query.shape
     kv_heads = chunks[0].shape[1]
-    grouped = query.reshape(batch, kv_heads, q_heads // kv_heads, dim).to(chunks[0].dtype)
-    out = torch.empty(batch, kv_heads, q_heads // kv_heads, sum(c.shape[2] for c in chunks), dtype=torch.float32)
+    group = q_heads // kv_heads
+    grouped = query.reshape(batch, kv_heads, group, dim).to(chunks[0].dtype)
+    out = torch.empty(batch, kv_heads, group, sum(c.shape[2] for c in chunks), dtype=torch.float32)
     start = 0
     for chunk in chunks:
         end = start + chunk.shape[2]
-        if chunk.is_contiguous():
+        if chunk.shape[0] == 1 and batch > 1:  # keys every sequence shares: one product for all their queries
+            stacked = grouped.transpose(0, 1).reshape(1, kv_heads, batch * group, dim)
+            if chunk.is_contiguous():
+                product = torch.matmul(stacked, chunk.transpose(-1, -2))[0]
+            else:
+                product = torch.stack([torch.mm(stacked[0, h], chunk[0, h].T) for h in range(kv_heads)])
+            out[..., start:end].copy_(product.view(kv_heads, batch, group, -1).transpose(0, 1))
+        elif chunk.is_contiguous():
             out[..., start:end].copy_(torch.matmul(grouped, chunk.transpose(-1, -2)))
         else:
             for b in range(batch):
@@ -43,9 +53,10 @@ def group_attention_mass(query: torch.Tensor, keys: Keys, candidates: torch.Tens
     Args:
         query: `(B, H_q, D)` float queries (after RoPE) of the token whose attention is predicted.
         keys: `(B, H_kv, n, D)` host keys of positions `[0, n)`, or a list of such tensors that concatenate along
-            the position axis to it (the host store's chunks); `H_q` must be a multiple of `H_kv`.
+            the position axis to it (the host store's chunks; a chunk of batch 1 is shared by every sequence);
+            `H_q` must be a multiple of `H_kv`.
         candidates: `(B, n)` bool, True where a position may be selected; or `(B, H_kv, n)` when the keys of each
-            KV head are a different set of positions (`shortlist.select_shortlisted`).
+            KV head are a different set of positions (a shortlist).
         scaling: softmax scale (usually `D ** -0.5`).
 
     Returns:

@@ -56,12 +56,13 @@ def key_bytes_read(selector, config: DualDecoderConfig, batch: int, hi: int, kv_
                    element: int) -> float:
     """Key bytes one layer's selection reads at `hi` selectable positions (all KV heads, the whole batch)."""
     row = kv_heads * element  # one element of every KV head
-    if selector.name == "shortlist" and selector.keep < hi:
+    if selector.name == "shortlist" and selector.shortlisted < hi:
         channels = min(selector.channels, dim)
-        return batch * row * (hi * channels + selector.keep * dim)
+        return batch * row * (hi * channels + selector.shortlisted * dim)
     if selector.name == "quest":  # the page bounds only (kept on the device by Quest)
         return batch * row * -(-hi // config.block_size) * 2 * dim
-    if selector.name == "clusters" and selector.keep_clusters * selector.cluster_size < hi:
+    if selector.name == "clusters" and config.cluster_min_context <= hi and \
+            selector.keep_clusters * selector.cluster_size < hi:
         clustered = (hi // config.cluster_segment) * config.cluster_segment
         summaries = clustered // config.cluster_size * 2 * dim
         return batch * row * (summaries + (selector.keep_clusters * config.cluster_size + hi - clustered) * dim)

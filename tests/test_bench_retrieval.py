@@ -8,12 +8,13 @@ from dual_cache.eval import bench_retrieval
 
 TINY = ["--contexts", "700", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--layers", "3",
         "--distinct-layers", "2", "--repeats", "2", "--budget", "32", "--dtype", "fp32"]
+INDEX = ["--options", '{"cluster_min_context": 0}']  # the index even on these short contexts
 
 
 def test_runs_and_writes_every_column(tmp_path):
     out = tmp_path / "host"
     code = bench_retrieval.main([*TINY, "--batches", "1", "2", "--pools", "1", "2",
-                                 "--selectors", "exact", "shortlist", "clusters", "--out", str(out)])
+                                 "--selectors", "exact", "shortlist", "clusters", *INDEX, "--out", str(out)])
     assert code == 0
     rows = json.loads(out.with_suffix(".json").read_text())
     assert [(r["batch"], r["pool"], r["selector"]) for r in rows] == [
@@ -36,7 +37,7 @@ def test_runs_and_writes_every_column(tmp_path):
 def test_index_reads_a_fraction_of_the_keys_on_long_contexts(tmp_path):
     out = tmp_path / "host"
     assert bench_retrieval.main([*TINY[:1], "6000", *TINY[2:], "--repeats", "1", "--selectors", "exact", "clusters",
-                                 "--out", str(out)]) == 0
+                                 *INDEX, "--out", str(out)]) == 0
     exact, clusters = json.loads(out.with_suffix(".json").read_text())
     assert clusters["key_mib_read_per_step"] < 0.5 * exact["key_mib_read_per_step"]
     assert 0 < clusters["index_fraction"] < 0.15 and clusters["build_ms_per_1k_tokens"] > 0

@@ -38,7 +38,8 @@ def _store(keys: torch.Tensor, piece: int = 37, reserve: int = 0) -> HostKVStore
 
 
 def _clusters(store, budget=8, **options):
-    config = DualDecoderConfig(selector="clusters", **{"cluster_size": 4, "cluster_segment": 32, **options})
+    config = DualDecoderConfig(selector="clusters", **{"cluster_size": 4, "cluster_segment": 32,
+                                                       "cluster_min_context": 0, **options})
     return ClusterSelector(config, budget, store, "cpu")
 
 
@@ -172,7 +173,8 @@ def test_generate_with_the_index_full_budget_threads_and_host_bytes():
     mask = torch.ones_like(ids)
     mask[1, :40] = 0
     kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False)
-    index = {"selector": "clusters", "cluster_size": 4, "cluster_segment": 32, "cluster_factor": 2}
+    index = {"selector": "clusters", "cluster_size": 4, "cluster_segment": 32, "cluster_factor": 2,
+             "cluster_min_context": 0}
     dense = model.generate(ids, **kwargs)
     full = model.generate(ids, cache_implementation="dual", cache_config={**index, "budget": 4096, "window": 8},
                           **kwargs)

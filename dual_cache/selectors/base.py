@@ -14,6 +14,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from ..host_store import HostKVStore
+from ..schedule import Selection
 
 HostClaim = Callable[[int], None]  # called with a byte count before host memory is allocated; may raise
 
@@ -23,7 +24,7 @@ class Candidates:
     """The positions a selection may choose, for `B` consecutive sequences of a layer's host store.
 
     Attributes:
-        mask: `(B, hi)` bool host tensor, True at real (non-pad), non-sink positions below `hi` (the start of the
+        mask: `(B, end)` bool host tensor, True at real (non-pad), non-sink positions below `end` (the start of the
             local window).
         first_real: `(B,)` int64 host tensor, each sequence's first real (non-pad) position; selectors that group
             positions (blocks, pages, index segments) start their groups there, so left padding never changes
@@ -37,8 +38,8 @@ class Candidates:
     first_sequence: int = 0
 
     @property
-    def hi(self) -> int:
-        """End of the selectable range: positions `[0, hi)` (tokens)."""
+    def end(self) -> int:
+        """End of the selectable range: positions `[0, end)` (tokens)."""
         return self.mask.shape[1]
 
     @property
@@ -60,11 +61,14 @@ class Selector:
         prefetched: True when the selection is chosen on the host one step ahead from the speculated token's query
             (the DualDecoder pipeline); False when it is chosen at the step that uses it, with the real token's
             query, synchronously (the `"oracle"` upper bound, the Quest baseline).
+        shares_prefix: whether it serves a batch of sequences that continue one stored sequence, the prefix kept
+            once (`share`).
         repairable: whether miss and drift repair re-select with this selector (prefetched selectors only).
 
     Args:
         config: the `DualDecoderConfig` (selector options are read from it).
-        budget: entries per (sequence, KV head) this layer selects (tokens); > 0.
+        budget: entries per (sequence, KV head) this layer selects (tokens); > 0. The layer may lower it for a
+            request shorter than the budget (the `budget` attribute).
         store: the layer's host store (every key and value of every sequence).
         device: where the layer's attention runs (a selector may keep state there, counted in `device_bytes`).
         claim_host: called with the byte size of each host allocation the selector is about to make; raises
@@ -73,6 +77,7 @@ class Selector:
 
     name: ClassVar[str] = ""
     prefetched: ClassVar[bool] = True
+    shares_prefix: ClassVar[bool] = True  # serves sequences that continue one shared prefix (`share`)
 
     def __init__(self, config: Any, budget: int, store: HostKVStore, device: torch.device,
                  claim_host: HostClaim | None = None) -> None:
@@ -114,6 +119,10 @@ class Selector:
     def truncate(self, length: int) -> None:
         """Forget what was indexed at positions `>= length` (the store was cropped to `length` tokens)."""
 
+    def share(self) -> None:
+        """The store's one sequence became a prefix several sequences share (`HostKVStore.share`): what was
+        indexed for it now serves every sequence. Only called when `shares_prefix`."""
+
     def select(
         self, query: torch.Tensor, candidates: Candidates, scaling: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,14 +131,53 @@ class Selector:
         Args:
             query: `(b, H_q, D)` float32 host queries (after RoPE) of the token predicting the step, one row per
                 sequence of `candidates` (`H_q` a multiple of the store's `H_kv`).
-            candidates: the selectable positions of those sequences (`hi` ≥ 1).
+            candidates: the selectable positions of those sequences (`end` ≥ 1).
             scaling: the layer's softmax scale (usually `D ** -0.5`).
 
         Returns:
-            `(indices, valid)`, both `(b, H_kv, budget)`: int64 positions in `[0, hi)`, the valid ones ascending,
+            `(indices, valid)`, both `(b, H_kv, budget)`: int64 positions in `[0, end)`, the valid ones ascending,
             and bool validity (invalid slots hold arbitrary in-range positions and are never attended).
         """
         raise NotImplementedError
+
+    def job(self, query: torch.Tensor, ready: Any, candidates: Candidates, scaling: float,
+            rows: list[int] | None = None) -> Callable[[Selection], None]:
+        """A retrieval job for the schedule: this selector's choice for `query`, then the gather of the chosen K/V.
+
+        Args:
+            query: `(B, H_q, D)` float32 host tensor (being filled by a copy from the device until `ready`).
+            ready: a CUDA event recorded after that copy, or None (the query is on the host already).
+            candidates: the selectable positions of every sequence of the store (`end` may be 0: nothing to
+                select; every slot is then invalid).
+            scaling: the layer's softmax scale.
+            rows: None selects for every sequence; a list selects for those sequences only, one at a time (a
+                sequence's selection depends on it alone; a repair), leaving the others' slots invalid at 0.
+
+        Returns:
+            `job(staging)`, filling a host `Selection` of shape `(B, H_kv, budget[, D])` in place.
+        """
+        store = self.store
+
+        def run(staging: Selection) -> None:
+            if ready is not None:
+                ready.synchronize()
+            if candidates.end == 0:
+                staging.indices.zero_()
+                staging.valid.zero_()
+            else:
+                store.wait_written()
+                if rows is None:
+                    indices, valid = self.select(query, candidates, scaling)
+                else:
+                    indices, valid = staging.indices.zero_(), staging.valid.zero_()
+                    for row in rows:
+                        one = slice(row, row + 1)
+                        indices[one], valid[one] = self.select(query[one], candidates.row(row), scaling)
+                staging.indices.copy_(indices)
+                staging.valid.copy_(valid)
+            store.gather(staging.indices, out=(staging.keys, staging.values))
+
+        return run
 
     @property
     def host_bytes(self) -> int:

@@ -20,7 +20,7 @@ class BlockSelector(Selector):
         require_block_multiples(config, cls.name)
 
     def select(self, query: torch.Tensor, candidates: Candidates, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-        keys = [chunk[candidates.rows] for chunk in self.store.key_chunks(candidates.hi)]
+        keys = self.store.key_chunks(candidates.end, candidates.rows)
         return select(query, keys, candidates.mask, self.budget, scaling, self.config.block_size,
                       candidates.first_real)
 

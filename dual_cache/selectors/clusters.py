@@ -19,8 +19,8 @@ while choosing (nearly) the same entries:
   attention mass (each head's softmax normalised over the shortlist, summed over the group, as
   `retrieval.select`) picks the `budget` entries.
 
-Top-k runs over clusters and the shortlist, never over every position. When the shortlist would hold every
-position, the exact selection is computed directly. Host bytes: `2·D` elements per cluster (μ, v) plus an int32
+Top-k runs over clusters and the shortlist, never over every position. Below `cluster_min_context` selectable
+positions, or when the shortlist would hold every position, the exact selection is computed directly. Host bytes: `2·D` elements per cluster (μ, v) plus an int32
 position per token, e.g. 7% of the K/V for `cluster_size=16`. Nothing lives on the device.
 """
 
@@ -89,7 +89,6 @@ class ClusterSelector(Selector):
         super().__init__(*args, **kwargs)
         self.cluster_size = self.config.cluster_size
         self.segment = self.config.cluster_segment
-        self.keep_clusters = max(1, self.config.cluster_factor * self.budget // self.cluster_size)
         batch, kv_heads = self.store.shape_prefix
         self.segments = torch.zeros(batch, dtype=torch.long)  # complete segments indexed, per sequence
         self.origin = torch.zeros(batch, dtype=torch.long)  # where each sequence's first segment starts
@@ -97,6 +96,14 @@ class ClusterSelector(Selector):
         self.means: torch.Tensor | None = None  # (B, H_kv, capacity, D) mean key of each cluster
         self.variances: torch.Tensor | None = None  # (B, H_kv, capacity, D) per-channel key variance of each cluster
         self.members: torch.Tensor | None = None  # (B, H_kv, capacity, cluster_size) int32 positions
+        # a prefix every sequence shares (`share`): its clusters (batch 1) and where they end
+        self.shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.shared_end = 0
+
+    @property
+    def keep_clusters(self) -> int:
+        """Clusters shortlisted per (sequence, KV head): `cluster_factor × budget` positions."""
+        return max(1, self.config.cluster_factor * self.budget // self.cluster_size)
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -118,7 +125,8 @@ class ClusterSelector(Selector):
         hold (so the index grows when the store does; contents are copied, never recomputed)."""
         if clusters <= self._capacity:
             return
-        capacity = max(clusters, -(-self.store.capacity // self.cluster_size))
+        own = self.store.capacity - self.store.shared_length  # positions each sequence holds on its own
+        capacity = max(clusters, -(-own // self.cluster_size))
         batch, kv_heads = self.store.shape_prefix
         dim = self.store.head_dim
         self.claim_host(batch * kv_heads * (capacity - self._capacity)
@@ -131,9 +139,33 @@ class ClusterSelector(Selector):
         self.means, self.variances, self.members = grown
         self._capacity = capacity
 
+    def share(self) -> None:
+        """The store's one sequence is now a prefix every sequence shares: its clusters are kept once (batch 1)
+        and scored for every sequence's query in one product; each sequence clusters what follows on its own."""
+        if self.means is not None and int(self.segments[0]):
+            used = int(self.segments[0]) * (self.segment // self.cluster_size)
+            parts = (self.means[:, :, :used], self.variances[:, :, :used], self.members[:, :, :used])
+            self.claim_host(sum(part.numel() * part.element_size() for part in parts))
+            self.shared = tuple(host_tensor(part.shape, part.dtype).copy_(part) for part in parts)  # contiguous
+            self.shared_end = int(self.origin[0]) + int(self.segments[0]) * self.segment
+        batch = self.store.shape_prefix[0]
+        self.segments = torch.zeros(batch, dtype=torch.long)
+        self.origin = torch.zeros(batch, dtype=torch.long)
+        self.means = self.variances = self.members = None
+        self._capacity = 0
+
+    def _own_first_real(self, candidates: Candidates) -> torch.Tensor:
+        """`(b,)` where each sequence's own segments start: its first real token, past a shared prefix (its first
+        candidate there: the sink lies in the prefix)."""
+        start = self.store.shared_length
+        if not start:
+            return candidates.first_real
+        own = candidates.mask[:, start:]
+        return torch.where(own, torch.arange(own.shape[1]), own.shape[1]).amin(dim=1) + start
+
     def extend(self, length: int, first_real: torch.Tensor, first_sequence: int = 0) -> None:
         """Cluster every segment that `length` committed tokens complete and that is not indexed yet, for the
-        sequences `first_sequence, …` whose first real positions are `first_real` `(b,)`."""
+        sequences `first_sequence, …` whose first real positions (past a shared prefix) are `first_real` `(b,)`."""
         rows = slice(first_sequence, first_sequence + len(first_real))
         self.origin[rows] = first_real  # fixed once a sequence has a real token: pads are all on the left
         done = self.segments[rows]
@@ -179,58 +211,83 @@ class ClusterSelector(Selector):
     # --- selection -----------------------------------------------------------------------------------
     def select(self, query: torch.Tensor, candidates: Candidates, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         self.store.first_row(candidates.first_sequence, query.shape[0])  # ValueError for rows outside the batch
-        hi = candidates.hi
-        if self.keep_clusters * self.cluster_size >= hi:  # the shortlist would hold every position
-            keys = [chunk[candidates.rows] for chunk in self.store.key_chunks(hi)]
+        end = candidates.end
+        if end < self.config.cluster_min_context or self.keep_clusters * self.cluster_size >= end:
+            # a short context (exact costs less), or the shortlist would hold every position
+            keys = self.store.key_chunks(end, candidates.rows)
             return select(query, keys, candidates.mask, self.budget, scaling)
-        self.extend(hi, candidates.first_real, candidates.first_sequence)
+        self.extend(end, self._own_first_real(candidates), candidates.first_sequence)
         positions, usable = self.shortlist(query, candidates, scaling)
         keys = self.store.gather_keys(positions, candidates.first_sequence)
         mass = group_attention_mass(query, keys, usable, scaling)
         return select_among(mass, positions, usable, self.budget)
 
     def shortlist(self, query: torch.Tensor, candidates: Candidates, scaling: float):
-        """Stage 1: `positions` `(b, H_kv, m)` int64 (members of the best clusters, then the tail) and `usable`
-        `(b, H_kv, m)` bool (a selectable candidate, counted once)."""
-        hi, rows = candidates.hi, candidates.rows
+        """Stage 1: `positions` `(b, H_kv, m)` int64 (members of the best clusters, then the unclustered tail) and
+        `usable` `(b, H_kv, m)` bool (a selectable candidate, counted once)."""
+        end, rows = candidates.end, candidates.rows
         batch, q_heads, dim = query.shape
         kv_heads = self.store.shape_prefix[1]
         group = q_heads // kv_heads
         per_segment = self.segment // self.cluster_size
         origin = self.origin[rows]
-        usable_segments = ((hi - origin).clamp(min=0) // self.segment).clamp(max=self.segments[rows])
-        clusters = int(usable_segments.max()) * per_segment
-        tail_start = origin + usable_segments * self.segment  # (b,) first position not in a usable segment
-        tail_from = int(tail_start.min()) if clusters else 0
-        tail = torch.arange(tail_from, hi)
-        tail_usable = candidates.mask[:, tail_from:] & (tail[None, :] >= tail_start[:, None])
-        if clusters == 0:
+        usable_segments = ((end - origin).clamp(min=0) // self.segment).clamp(max=self.segments[rows])
+        own_clusters = int(usable_segments.max()) * per_segment
+        shared_clusters = 0 if self.shared is None else self.shared[0].shape[2]
+        # the tail: positions past the shared clusters (to the shared prefix's end) and past each own segment
+        tail_start = origin + usable_segments * self.segment  # (b,)
+        tail_from = int(tail_start.min()) if own_clusters or shared_clusters else 0
+        tail = torch.arange(self.shared_end, self.store.shared_length) if self.shared_end < tail_from else \
+            torch.empty(0, dtype=torch.long)
+        tail = torch.cat([tail, torch.arange(tail_from, end)])
+        tail_usable = candidates.mask[:, tail] & ((tail[None, :] >= tail_start[:, None]) |
+                                                 (tail[None, :] < self.store.shared_length))
+        if own_clusters + shared_clusters == 0:
             positions = tail.expand(batch, kv_heads, -1)
             return positions, tail_usable[:, None, :].expand(batch, kv_heads, -1)
         scaled = query.reshape(batch, kv_heads, group, dim) * scaling
-        dtype = self.means.dtype
-        center = torch.matmul(scaled.to(dtype), self.means[rows].transpose(-1, -2))  # (b, H_kv, G, capacity)
-        spread = torch.matmul(scaled.square().to(dtype), self.variances[rows].transpose(-1, -2))
-        score = spread.float().clamp_(min=0).sqrt_().mul_(SPREAD).add_(center)
-        exists = torch.arange(self._capacity)[None, :] < (usable_segments * per_segment)[:, None]  # (b, capacity)
+        scores, members, exists = [], [], []
+        if shared_clusters:  # every sequence's queries against the shared clusters: one product
+            means, variances, shared_members = self.shared
+            stacked = scaled.transpose(0, 1).reshape(1, kv_heads, batch * group, dim)
+            score = self._cluster_scores(stacked, means, variances)[0]
+            scores.append(score.view(kv_heads, batch, group, -1).transpose(0, 1))
+            members.append(shared_members.expand(batch, -1, -1, -1))
+            exists.append(torch.ones(batch, shared_clusters, dtype=torch.bool))
+        if own_clusters:
+            scores.append(self._cluster_scores(scaled, self.means[rows], self.variances[rows]))
+            members.append(self.members[rows])
+            exists.append(torch.arange(self._capacity)[None, :] < (usable_segments * per_segment)[:, None])
+        score, exists = torch.cat(scores, dim=-1), torch.cat(exists, dim=-1)  # (b, H_kv, G, clusters), (b, clusters)
         score.masked_fill_(~exists[:, None, None, :], float("-inf"))
         score -= torch.logsumexp(score, dim=-1, keepdim=True)  # each head's share (cluster sizes are equal)
-        score = torch.logsumexp(score, dim=2)  # (b, H_kv, capacity): combined over the GQA group
-        top = torch.topk(score, min(self.keep_clusters, clusters), dim=-1, sorted=False).indices
+        score = torch.logsumexp(score, dim=2)  # (b, H_kv, clusters): combined over the GQA group
+        top = torch.topk(score, min(self.keep_clusters, own_clusters + shared_clusters), dim=-1, sorted=False).indices
         chosen = torch.gather(exists[:, None, :].expand(batch, kv_heads, -1), 2, top)  # (b, H_kv, m)
-        picked = torch.gather(self.members[rows], 2, top[..., None].expand(-1, -1, -1, self.cluster_size))
+        members = members[0] if len(members) == 1 else torch.cat(members, dim=2)
+        picked = torch.gather(members, 2, top[..., None].expand(-1, -1, -1, self.cluster_size))
         picked = torch.where(chosen[..., None], picked, 0).flatten(2).long()
         picked_usable = chosen.repeat_interleave(self.cluster_size, dim=-1) & torch.gather(
-            candidates.mask[:, None, :].expand(batch, kv_heads, hi), 2, picked)
+            candidates.mask[:, None, :].expand(batch, kv_heads, end), 2, picked)
         positions = torch.cat([picked, tail.expand(batch, kv_heads, -1)], dim=-1)
         usable = torch.cat([picked_usable, tail_usable[:, None, :].expand(batch, kv_heads, -1)], dim=-1)
         return positions, usable
 
+    @staticmethod
+    def _cluster_scores(scaled: torch.Tensor, means: torch.Tensor, variances: torch.Tensor) -> torch.Tensor:
+        """`(b, H_kv, G, clusters)` float32 `s·(q·μ) + SPREAD·sqrt(s²·(q²·v))` for scaled queries `(b, H_kv, G, D)`
+        against contiguous `(b, H_kv, clusters, D)` means and variances."""
+        center = torch.matmul(scaled.to(means.dtype), means.transpose(-1, -2))
+        spread = torch.matmul(scaled.square().to(means.dtype), variances.transpose(-1, -2))
+        return spread.float().clamp_(min=0).sqrt_().mul_(SPREAD).add_(center)
+
     @property
     def host_bytes(self) -> int:
-        return 0 if self.means is None else self.means.nbytes + self.variances.nbytes + self.members.nbytes
+        parts = [] if self.shared is None else [*self.shared]
+        parts += [] if self.means is None else [self.means, self.variances, self.members]
+        return sum(part.nbytes for part in parts)
 
     def free(self) -> None:
-        self.means = self.variances = self.members = None
+        self.means = self.variances = self.members = self.shared = None
         self._capacity = 0
         self.segments = torch.zeros_like(self.segments)

@@ -17,5 +17,5 @@ class ExactSelector(Selector):
     name = "exact"
 
     def select(self, query: torch.Tensor, candidates: Candidates, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-        keys = [chunk[candidates.rows] for chunk in self.store.key_chunks(candidates.hi)]
+        keys = self.store.key_chunks(candidates.end, candidates.rows)
         return select(query, keys, candidates.mask, self.budget, scaling)

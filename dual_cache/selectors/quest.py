@@ -19,6 +19,7 @@ class QuestSelector(Selector):
 
     name = "quest"
     prefetched = False
+    shares_prefix = False  # its page metadata is per sequence
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -57,7 +58,7 @@ class QuestSelector(Selector):
 
     def select(self, query: torch.Tensor, candidates: Candidates, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         self.extend(self.store.length, candidates.first_real)
-        pages = -(-candidates.hi // self.config.block_size)
+        pages = -(-candidates.end // self.config.block_size)
         rows = candidates.rows
         indices, valid = select_pages(
             query.to(self.device), self.page_min[rows, :, :pages], self.page_max[rows, :, :pages],

@@ -31,13 +31,19 @@ class ShortlistSelector(Selector):
     chunk, filled lazily up to the selectable range; +50% host bytes over the store's K/V)."""
 
     name = "shortlist"
+    shares_prefix = False  # its channel-major copy is per sequence
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.channels = self.config.shortlist_channels_for(self.store.head_dim)
-        self.keep = self.config.shortlist_factor * self.budget
+        self.keep = None  # positions shortlisted per (sequence, KV head); None: shortlist_factor × budget
         self._chunks: list[torch.Tensor] = []  # channel-major keys, one per store chunk
         self.length = 0  # positions copied so far
+
+    @property
+    def shortlisted(self) -> int:
+        """Positions shortlisted per (sequence, KV head) for the exact stage."""
+        return self.keep if self.keep is not None else self.config.shortlist_factor * self.budget
 
     @classmethod
     def host_bytes_per_token(cls, config, kv_heads: int, head_dim: int, element_size: int) -> float:
@@ -62,37 +68,37 @@ class ShortlistSelector(Selector):
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
 
-    def channel_products(self, left: torch.Tensor, channels: torch.Tensor, hi: int, first_sequence: int = 0):
-        """`left @ keys[..., channels]ᵀ` over positions `[0, hi)`, reading only those channels of the keys.
+    def channel_products(self, left: torch.Tensor, channels: torch.Tensor, end: int, first_sequence: int = 0):
+        """`left @ keys[..., channels]ᵀ` over positions `[0, end)`, reading only those channels of the keys.
 
         Args:
             left: `(b, H_kv, G, r)` in the store's dtype.
             channels: `(b, H_kv, r)` int64 channel indices in `[0, D)`, per sequence and KV head.
-            hi: positions read (`<= self.length`; call `extend` first).
+            end: positions read (`<= self.length`; call `extend` first).
             first_sequence: the `b` rows are the store's sequences `first_sequence, …`.
 
         Returns:
-            `(b, H_kv, G, hi)` float32 (products computed in the store's dtype).
+            `(b, H_kv, G, end)` float32 (products computed in the store's dtype).
         """
         store = self.store
         batch, kv_heads, r = channels.shape
         first = store.first_row(first_sequence, batch)
         rows = ((first + torch.arange(batch * kv_heads)).view(batch, kv_heads, 1) * store.head_dim + channels).flatten()
-        out = torch.empty(*left.shape[:-1], hi, dtype=torch.float32)
+        out = torch.empty(*left.shape[:-1], end, dtype=torch.float32)
         for (start, size), copy in zip(store.chunk_spans(), self._chunks):
-            if start >= hi:
+            if start >= end:
                 break
-            width = min(size, hi - start)
+            width = min(size, end - start)
             part = copy.view(-1, size).index_select(0, rows).view(batch, kv_heads, r, size)[..., :width]
             out[..., start : start + width].copy_(torch.matmul(left, part))
         return out
 
     def shortlist(self, query: torch.Tensor, candidates: Candidates) -> tuple[torch.Tensor, torch.Tensor]:
         """Stage 1: `positions` `(b, H_kv, m)` int64 of highest approximate score and `usable` `(b, H_kv, m)` bool
-        (False at non-candidates), `m = min(keep, hi)`. With bf16 keys the scores are bf16 products (ties at the
+        (False at non-candidates), `m = min(keep, end)`. With bf16 keys the scores are bf16 products (ties at the
         shortlist's edge are broken arbitrarily)."""
-        hi = candidates.hi
-        self.extend(hi, candidates.first_real, candidates.first_sequence)
+        end = candidates.end
+        self.extend(end, candidates.first_real, candidates.first_sequence)
         batch, q_heads, dim = query.shape
         kv_heads = self.store.shape_prefix[1]
         grouped = query.reshape(batch, kv_heads, q_heads // kv_heads, dim)
@@ -101,17 +107,17 @@ class ShortlistSelector(Selector):
         partial = torch.gather(grouped, 3, chosen[:, :, None, :].expand(-1, -1, grouped.shape[2], -1))
         temperature = (grouped.abs().sum(-1, keepdim=True) / partial.abs().sum(-1, keepdim=True).clamp(min=1e-30)).sqrt()
         mean = (partial * temperature).mean(dim=2, keepdim=True).to(self.store.dtype)  # (b, H_kv, 1, r)
-        score = self.channel_products(mean, chosen, hi, candidates.first_sequence)[:, :, 0]
+        score = self.channel_products(mean, chosen, end, candidates.first_sequence)[:, :, 0]
         bias = torch.zeros(candidates.mask.shape, dtype=score.dtype).masked_fill_(~candidates.mask, float("-inf"))
         score += bias[:, None, :]
-        positions = torch.topk(score, min(self.keep, hi), dim=-1, sorted=False).indices
-        usable = torch.gather(candidates.mask[:, None, :].expand(batch, kv_heads, hi), 2, positions)
+        positions = torch.topk(score, min(self.shortlisted, end), dim=-1, sorted=False).indices
+        usable = torch.gather(candidates.mask[:, None, :].expand(batch, kv_heads, end), 2, positions)
         return positions, usable
 
     def select(self, query: torch.Tensor, candidates: Candidates, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         self.store.first_row(candidates.first_sequence, query.shape[0])  # ValueError for rows outside the batch
-        if self.keep >= candidates.hi:  # every position would be shortlisted: the exact selection
-            keys = [chunk[candidates.rows] for chunk in self.store.key_chunks(candidates.hi)]
+        if self.shortlisted >= candidates.end:  # every position would be shortlisted: the exact selection
+            keys = self.store.key_chunks(candidates.end, candidates.rows)
             return select(query, keys, candidates.mask, self.budget, scaling)
         positions, usable = self.shortlist(query, candidates)
         keys = self.store.gather_keys(positions, candidates.first_sequence)

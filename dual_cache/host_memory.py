@@ -1,0 +1,81 @@
+"""The host-memory allowance of one cache: a limit checked before anything is allocated, and what is claimed."""
+
+from __future__ import annotations
+
+import os
+
+
+class HostMemoryError(MemoryError):
+    """The host store of a request would not fit in the host memory the cache may use."""
+
+
+def format_bytes(nbytes: float) -> str:
+    """`"512 B"`, `"3.5 KiB"`, `"12.0 MiB"`, `"1.25 GiB"` (binary units)."""
+    for unit in ("B", "KiB", "MiB"):
+        if abs(nbytes) < 1024:
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.2f} GiB"
+
+
+def available_host_bytes() -> int:
+    """Host memory available to new allocations now (Linux `MemAvailable`; else free physical pages), bytes."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class HostMemory:
+    """What one cache may allocate on the host, shared by its layers' stores and selectors.
+
+    Args:
+        limit: bytes the cache may allocate in all; None = 90% of the host memory available at the first check.
+
+    Attributes:
+        claimed: bytes allocated so far (stores and selector state).
+    """
+
+    def __init__(self, limit: int | None = None) -> None:
+        self._limit = limit
+        self.configured = limit
+        self.claimed = 0
+
+    @property
+    def limit(self) -> int:
+        """The limit in bytes (resolved from the available memory on first use when not configured)."""
+        if self._limit is None:
+            self._limit = int(0.9 * available_host_bytes())
+        return self._limit
+
+    def check(self, needed: int, request: str) -> None:
+        """Raise `HostMemoryError` unless `needed` more bytes fit; nothing is claimed.
+
+        Args:
+            needed: bytes the request will allocate (all layers).
+            request: what needs them, for the message (e.g. "2 sequence(s) of 4,096 tokens").
+        """
+        if self.claimed + needed > self.limit:
+            raise HostMemoryError(
+                f"The dual cache needs {format_bytes(needed)} ({needed:,} bytes) of host memory for {request}, but "
+                f"may use {format_bytes(self.limit - self.claimed)} more (max_host_bytes={self.configured}). Lower "
+                "the batch size, the prompt length or max_new_tokens, or raise `max_host_bytes` in cache_config."
+            )
+
+    def claim(self, nbytes: int) -> None:
+        """Account for `nbytes` about to be allocated; raises `HostMemoryError` past the limit."""
+        if self.claimed + nbytes > self.limit:
+            raise HostMemoryError(
+                f"The dual cache's host memory would exceed {format_bytes(self.limit)} (another "
+                f"{format_bytes(nbytes)} requested). Lower the batch size or the number of tokens, or raise "
+                "`max_host_bytes` in cache_config."
+            )
+        self.claimed += nbytes
+
+    def release_all(self) -> None:
+        """Everything claimed was freed (the cache was closed)."""
+        self.claimed = 0

@@ -1,0 +1,382 @@
+"""`DualLayer`: one full-attention layer of a `DualDecoderCache` — every K/V in a host store, and on the device only
+the sink, the local window and the current selection (DESIGN.md §2).
+
+A layer gets what it needs when it is built (its budget, the shared `SequenceState`, the cache's `HostMemory`
+allowance), per request (`begin_request`: the schedule, the request's budget and window ring, the tokens to reserve)
+and per step as arguments (`decode_segments(..., rows)`); it never refers back to the cache that holds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from .config import DualDecoderConfig
+from .host_memory import HostMemory
+from .host_store import HostKVStore
+from .kernels import KVSegment
+from .schedule import TransferSchedule
+from .selectors import SELECTORS, Candidates, Selector
+from .sequences import SequenceState
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """The sequences whose entries a decode step re-selects with the real token's query (`miss_repair`).
+
+    Attributes:
+        repair: `(B,)` bool host, re-selected in every layer (their speculated token missed, or the first step);
+            None when there are none.
+        check: `(B,)` bool host, re-selected in the layers where their real query drifted from the speculated
+            query that chose the entries (`repair_drift`); None when there are none.
+    """
+
+    repair: torch.Tensor | None = None
+    check: torch.Tensor | None = None
+
+
+def query_drift(query: torch.Tensor, chooser: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Relative distance between a token's query and the query that chose its entries, per sequence.
+
+    Args:
+        query: `(B, H_q, D)` the real token's query at one layer (any float dtype, any device).
+        chooser: `(B, H_q, D)` the query that selected the entries it attends to (the speculated token's).
+        kv_heads: `H_kv`; the query heads of one KV head (its GQA group) are compared as one `G·D` vector.
+
+    Returns:
+        `(B,)` float32 on `query`'s device: the largest over KV heads of `‖q − q̂‖₂ / ‖q‖₂` (0 for equal queries;
+        huge or inf for a zero query with a non-zero `chooser`).
+    """
+    batch = query.shape[0]
+    real = query.float().reshape(batch, kv_heads, -1)
+    diff = (real - chooser.float().reshape(batch, kv_heads, -1)).norm(dim=-1)
+    return (diff / real.norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)).amax(dim=-1)
+
+
+class DualLayer(CacheLayerMixin):
+    """One full-attention layer: host store of every K/V plus device-resident sink, window ring and selection.
+
+    Device tiers (B = batch, H_kv = KV heads, D = head dim), held only while a request decodes:
+      - sink: `(B, H_kv, n_sink, D)`, the first `n_sink` real tokens of each sequence;
+      - window ring: `(B, H_kv, window + 2, D)`, slot `p % (window + 2)` holds position p; the last `window`
+        committed tokens plus the (up to two) tokens of the running step;
+      - selection: a slot of the schedule's pool, `(B, H_kv, budget, D)`;
+      - whatever the selector keeps there (`Selector.device_bytes`; only the Quest baseline's page metadata).
+
+    The layer's `Selector` (`config.selector`) owns any host-side index; the layer extends it after each prefill
+    chunk and submits the selector's jobs to the schedule. `update()` appends new K/V to the host store (and the ring
+    once decoding) and returns them unchanged: the dual attention function reads the tiers through `prefill_kv()`
+    and `decode_segments()`.
+
+    Args:
+        layer_idx: the model layer.
+        config: the cache's `DualDecoderConfig`.
+        budget: entries this layer retrieves per step and KV head (tokens; 0: sink and window only).
+        sequences: the cache's `SequenceState` (which positions are real, the sink), read-only here.
+        host_memory: the cache's host-memory allowance; every host allocation is claimed from it.
+    """
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, layer_idx: int, config: DualDecoderConfig, budget: int, sequences: SequenceState,
+                 host_memory: HostMemory) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.config = config
+        self.budget = budget
+        self.sequences = sequences
+        self.host_memory = host_memory
+        self.host: HostKVStore | None = None
+        self.selector: Selector | None = None  # built with the host store when the layer retrieves (budget > 0)
+        self.schedule: TransferSchedule | None = None  # the running request's (`begin_request`)
+        self.request_budget = budget  # this request's budget: at most its tokens
+        self.ring_size = config.window + 2
+        self.reserve_tokens = 0  # tokens the host store holds at once when the request starts
+        self.decoding = False
+        self.prompt_query: torch.Tensor | None = None  # (B, H_q, D) host: the prompt's last query
+        self.selecting_query: torch.Tensor | None = None  # (B, H_q, D): the query that chose the next step's entries
+        self.scaling: float = 1.0
+        self.sink_keys = self.sink_values = self.sink_pos = self.sink_valid = None
+        self.ring_keys = self.ring_values = None
+
+    # --- transformers CacheLayerMixin API -------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, kv_heads, _, dim = key_states.shape
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        self.host = HostKVStore(
+            batch, kv_heads, dim, key_states.dtype, self.config.host_chunk_tokens,
+            page_lock=key_states.device.type == "cuda", on_alloc=self.host_memory.claim,
+        )
+        self.host.reserve(self.reserve_tokens)
+        if self.budget > 0:
+            self.selector = SELECTORS[self.config.selector](
+                self.config, self.request_budget, self.host, self.device, claim_host=self.host_memory.claim
+            )
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append `(B, H_kv, q, D)` new keys/values; returns them unchanged."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.host.length
+        self.host.append(key_states, value_states)
+        if self.decoding:
+            q = key_states.shape[2]
+            slot = start % self.ring_size
+            if slot + q <= self.ring_size:
+                self.ring_keys[:, :, slot : slot + q] = key_states
+                self.ring_values[:, :, slot : slot + q] = value_states
+            else:
+                slots = torch.arange(start, start + q, device=self.device) % self.ring_size
+                self.ring_keys.index_copy_(2, slots, key_states)
+                self.ring_values.index_copy_(2, slots, value_states)
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return 0 if self.host is None else self.host.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last `-tokens_to_remove` tokens (negative counts only, as transformers ≥5.22)."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop({tokens_to_remove}): pass a negative count of tokens to remove, e.g. crop(-1)."
+            )
+        if tokens_to_remove == 0 or self.host is None:
+            return
+        self.host.crop(-tokens_to_remove)
+        if self.selector is not None:
+            self.selector.truncate(self.host.length)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError(
+            "DualDecoderCache cannot reorder sequences (beam search). Use num_beams=1 with cache_implementation='dual'."
+        )
+
+    def reset(self) -> None:
+        self.free()
+        self.host = None
+        self.selector = None
+        self.decoding = False
+        self.is_initialized = False
+
+    # --- one request ---------------------------------------------------------------------------------
+    def begin_request(self, schedule: TransferSchedule, tokens: int, reserve: int) -> None:
+        """A request starts (its prefill comes next).
+
+        Args:
+            schedule: the request's transfer schedule (retrieval jobs and copies).
+            tokens: tokens per sequence the cache will hold at most during the request: no selection or window is
+                larger.
+            reserve: tokens per sequence the host store should hold at once (those stored plus the new prompt).
+        """
+        self.schedule = schedule
+        self.request_budget = min(self.budget, tokens)
+        self.ring_size = min(self.config.window, tokens) + 2
+        self.reserve_tokens = reserve
+        self.decoding = False
+        if self.host is not None:
+            self.host.reserve(reserve)
+        if self.selector is not None:
+            self.selector.budget = self.request_budget
+
+    def share(self, batch: int) -> None:
+        """The stored sequence becomes a prefix `batch` sequences share (`HostKVStore.share`, `Selector.share`)."""
+        if self.host is not None:
+            self.host.share(batch)
+        if self.selector is not None:
+            self.selector.share()
+
+    def end_request(self) -> None:
+        """The request ended: release the device tiers and the request's schedule; the host store and the
+        selector's index stay for a request that continues these sequences."""
+        self.schedule = None
+        self.decoding = False
+        self.sink_keys = self.sink_values = self.sink_pos = self.sink_valid = None
+        self.ring_keys = self.ring_values = None
+        self.prompt_query = self.selecting_query = None
+
+    # --- prefill ---------------------------------------------------------------------------------------
+    def prefill_kv(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of every position so far, `(B, H_kv, n, D)` on the compute device, for dense prefill.
+
+        The chunk's own `key_states`/`value_states` `(B, H_kv, q, D)` are used as they are; earlier positions are
+        read back from the host store (one layer at a time on the device).
+        """
+        q = key_states.shape[2]
+        past = self.host.length - q
+        if past == 0:
+            return key_states, value_states
+        self.host.wait_written()
+        keys, values = self.host.read(0, past)
+        keys = torch.cat([keys.to(self.device, non_blocking=True), key_states], dim=2)
+        values = torch.cat([values.to(self.device, non_blocking=True), value_states], dim=2)
+        return keys, values
+
+    def end_prefill_chunk(self, query: torch.Tensor, scaling: float) -> None:
+        """A prefill chunk was stored: keep its last position's query `(B, H_q, D)` (it selects the first decode
+        step) and extend the selector's host index over the prompt so far."""
+        self.prompt_query = query.detach().to("cpu", torch.float32)
+        self.scaling = scaling
+        if self.selector is not None:
+            batch, length, start = self.host.shape_prefix[0], self.host.length, self.host.shared_length
+            self.selector.extend(length, self.sequences.first_real_so_far(batch, length, start))
+
+    # --- decode ----------------------------------------------------------------------------------------
+    def start_decoding(self) -> None:
+        """Fill the sink and window tiers from the host store and schedule the first step's selection."""
+        self.host.wait_written()
+        n = self.host.length
+        batch, kv_heads = self.host.shape_prefix
+        dim = self.host.head_dim
+        sequences = self.sequences
+        sink_pos = sequences.sink_positions
+        sink_keys, sink_values = self.host.gather(sink_pos[:, None, :].expand(batch, kv_heads, sink_pos.shape[1]))
+        self.sink_keys, self.sink_values = sink_keys.to(self.device), sink_values.to(self.device)
+        self.sink_pos = sink_pos[:, None, :].to(self.device)  # (B, 1, n_sink)
+        self.sink_valid = sequences.sink_valid[:, None, :].to(self.device)
+        # window ring: the last `window` positions (ring slot p % ring_size)
+        self.ring_keys = torch.zeros(batch, kv_heads, self.ring_size, dim, dtype=self.dtype, device=self.device)
+        self.ring_values = torch.zeros_like(self.ring_keys)
+        first_pos = max(0, n - self.config.window)
+        slots = torch.arange(first_pos, n, device=self.device) % self.ring_size
+        keys, values = self.host.read(first_pos, n)
+        self.ring_keys.index_copy_(2, slots, keys.to(self.device))
+        self.ring_values.index_copy_(2, slots, values.to(self.device))
+        self.decoding = True
+        if self.selector is not None and self.selector.prefetched:
+            self.submit_selection(self.prompt_query, committed=n)
+        self.prompt_query = None
+
+    def _selection_job(self, query: torch.Tensor, committed: int, rows: list[int] | None = None):
+        """The selector's retrieval job for `query` `(B, H_q, D)` (any device) among the candidates below
+        `committed - window`; `rows` selects for those sequences only (a repair)."""
+        end = max(0, committed - self.config.window)
+        ready = None
+        if query.device.type == "cuda":  # no host sync on the launch thread: the job waits for the copy's event
+            host_query = torch.empty(query.shape, dtype=torch.float32, pin_memory=True)
+            host_query.copy_(query.detach(), non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(query.device))
+        else:
+            host_query = query.detach().to("cpu", torch.float32)
+        candidates = Candidates(self.sequences.candidates_below(end), self.sequences.first_real)
+        return self.selector.job(host_query, ready, candidates, self.scaling, rows)
+
+    def submit_selection(self, query: torch.Tensor, committed: int) -> None:
+        """Schedule the selection for the step whose committed length is `committed` tokens.
+
+        Args:
+            query: `(B, H_q, D)` query (any device) of the (speculated or real) token predicting that step.
+            committed: real tokens in the cache when that step starts; its window is `[committed - window,
+                committed)` and candidates lie in `[0, committed - window)` minus sink and pads.
+        """
+        if self.selector is None:
+            return
+        self.selecting_query = query
+        batch, kv_heads = self.host.shape_prefix
+        shape = (batch, kv_heads, self.request_budget, self.host.head_dim)
+        self.schedule.submit(self.layer_idx, self._selection_job(query, committed), shape, self.host.dtype)
+
+    def repair_selection(self, query: torch.Tensor, committed: int, rows: torch.Tensor) -> None:
+        """Miss repair: re-select the running step's entries of `rows` with the real token's own query.
+
+        Args:
+            query: `(B, H_q, D)` the real token's query at this layer (slot 0 of the step).
+            committed: real tokens in the cache before the step (as in `submit_selection`).
+            rows: `(B,)` bool host tensor, True for the sequences repaired (a miss, or a drifted query).
+        """
+        subset = None if bool(rows.all()) else rows.nonzero().flatten().tolist()
+        self.schedule.repair(self.layer_idx, self._selection_job(query, committed, subset), rows)
+
+    def decode_segments(self, query: torch.Tensor, scaling: float,
+                        rows: StepRows = StepRows()) -> tuple[list[KVSegment], int]:
+        """The device-resident KV segments the running step attends to: sink, selection, window ring.
+
+        Args:
+            query: `(B, H_q, q, D)` queries of the step (q = 1 or 2); selectors that are not prefetched (oracle,
+                Quest) select with the real token's query (slot 0) here, synchronously, and so does miss repair for
+                `rows`.
+            scaling: the layer's softmax scale.
+            rows: the sequences this step repairs or checks for drift.
+
+        Returns:
+            `KVSegment`s read in place (no concatenation; the ring segment also holds the step's q new tokens),
+            and 1 when this layer re-selected entries for a drifted query (`repair_drift`), else 0.
+        """
+        q = query.shape[2]
+        n = self.host.length  # includes the q new tokens
+        segments = [KVSegment(self.sink_keys, self.sink_values, self.sink_pos, self.sink_valid)]
+        drifted = 0
+        selector = self.selector
+        if selector is not None:
+            if not selector.prefetched:  # chosen now, with the real token's query
+                self.scaling = scaling
+                self.submit_selection(query[:, :, 0], committed=n - q)
+            selection = self.schedule.acquire(self.layer_idx)
+            if selector.repairable and not selector.selects_everything(n - q - self.config.window):
+                repair, drifted = self._rows_to_repair(query[:, :, 0], rows)
+                if repair is not None:
+                    self.repair_selection(query[:, :, 0], n - q, repair)
+            segments.append(KVSegment(selection.keys, selection.values, selection.indices, selection.valid))
+        ring_pos, ring_valid = self.sequences.ring_view(n, q, self.config.window, self.ring_size, self.device)
+        segments.append(KVSegment(self.ring_keys, self.ring_values, ring_pos, ring_valid))
+        return segments, drifted
+
+    def _rows_to_repair(self, real_query: torch.Tensor, rows: StepRows) -> tuple[torch.Tensor | None, int]:
+        """`(B,)` bool host rows whose entries this layer re-selects with `real_query` `(B, H_q, D)`: `rows.repair`,
+        plus the `rows.check` rows whose query drifted from the one that chose the entries (`repair_drift`); None
+        when there are none. The int is 1 when drift added rows."""
+        threshold = self.config.repair_drift
+        if rows.check is None or threshold is None or self.selecting_query is None:
+            return rows.repair, 0
+        chooser = self.selecting_query.to(real_query.device, non_blocking=True)
+        drifted = (query_drift(real_query, chooser, self.host.shape_prefix[1]) >= threshold).cpu() & rows.check
+        if not drifted.any():
+            return rows.repair, 0
+        return (drifted if rows.repair is None else rows.repair | drifted), 1
+
+    def release(self) -> None:
+        """The running step's attention at this layer is queued; its selection slot may be reused."""
+        if self.selector is not None:
+            self.schedule.release(self.layer_idx)
+
+    # --- accounting and lifecycle ----------------------------------------------------------------------
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of this layer's device tiers: sink, window ring, what the selector keeps there (the Quest
+        baseline's page metadata); selection slots are pooled and counted by the schedule."""
+        tensors = (self.sink_keys, self.sink_values, self.ring_keys, self.ring_values)
+        selector = 0 if self.selector is None else self.selector.device_bytes
+        return sum(t.nbytes for t in tensors if t is not None) + selector
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes of this layer's store and of its selector's host state (an index, a key copy)."""
+        if self.host is None:
+            return 0
+        return self.host.nbytes + (0 if self.selector is None else self.selector.host_bytes)
+
+    def dense_bytes(self) -> int:
+        """Bytes a `DynamicCache` layer would hold for the same tokens."""
+        if self.host is None:
+            return 0
+        batch, kv_heads = self.host.shape_prefix
+        return 2 * batch * kv_heads * self.host.length * self.host.head_dim * self.host.element_size
+
+    def free(self) -> None:
+        """Release host chunks, the selector's state and device tiers (the token count stays readable)."""
+        self.end_request()
+        if self.host is not None:
+            self.host.free()
+        if self.selector is not None:
+            self.selector.free()

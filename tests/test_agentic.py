@@ -1,0 +1,206 @@
+"""Agentic use: a conversation continues on the same cache (no re-prefill of what it holds), a batch of requests
+shares one stored prefix, and a cache holds no thread or device memory between requests.
+
+References: transformers' `DynamicCache` passed back the same way (multi-turn), the default cache on the same
+batch (shared prefix), `live_host_bytes()` and the thread count (lifecycle)."""
+
+import gc
+import threading
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from dual_cache import DualDecoderCache
+from dual_cache.host_store import live_host_bytes
+from dual_cache.retrieval import _logits
+from tests.conftest import TINY_MODELS, record_selections, six_layer_llama
+
+FULL = {"budget": 4096, "window": 8}
+
+
+def _turns(seed: int, batch: int = 2, lengths=(60, 17, 9)) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 90, (batch, n), generator=generator) for n in lengths]
+
+
+def _converse(model, cache, turns, via: str = "past_key_values", **kwargs) -> list[torch.Tensor]:
+    sequences, outputs = None, []
+    for turn in turns:
+        ids = turn if sequences is None else torch.cat([sequences, turn], dim=1)
+        sequences = model.generate(ids, max_new_tokens=6, do_sample=False, **{via: cache}, **kwargs)
+        outputs.append(sequences)
+    return outputs
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2-mqa", "gemma3"])
+def test_three_turns_at_full_budget_equal_dynamic_cache_passed_back(name):
+    model = TINY_MODELS[name](seed=1)
+    turns = _turns(2)
+    dense = _converse(model, DynamicCache(config=model.config), turns)
+    for via in ("past_key_values", "cache"):
+        with DualDecoderCache(model.config, **FULL) as cache:
+            dual = _converse(model, cache, turns, via=via)
+            assert cache.stats()["requests"] == 3
+        assert all(torch.equal(a, b) for a, b in zip(dense, dual))
+
+
+def test_a_returned_cache_continues_and_only_new_tokens_are_prefilled():
+    model = six_layer_llama(seed=3)
+    turns = _turns(4, batch=1, lengths=(120, 11))
+    first = model.generate(turns[0], max_new_tokens=5, do_sample=False, cache_implementation="dual",
+                           cache_config=FULL, return_dict_in_generate=True)
+    cache = first.past_key_values
+    stored = cache.get_seq_length()
+    assert stored == first.sequences.shape[1] - 1  # the last generated token is not stored yet
+    stored_keys = [layer.host.key_chunks(stored)[0].clone() for layer in cache.dual_layers]
+    ids = torch.cat([first.sequences, turns[1]], dim=1)
+    calls = []
+    forward = model.forward
+
+    def counting(*args, **kwargs):
+        calls.append((kwargs.get("input_ids") if "input_ids" in kwargs else args[0]).shape[1])
+        return forward(*args, **kwargs)
+
+    model.forward = counting
+    try:
+        second = model.generate(ids, max_new_tokens=5, do_sample=False, cache=cache)
+    finally:
+        del model.forward
+    assert calls[0] == ids.shape[1] - stored  # the prefill covers the new tokens only
+    for layer, keys in zip(cache.dual_layers, stored_keys):  # what was stored is kept, not recomputed
+        assert torch.equal(layer.host.key_chunks(stored)[0], keys)
+    dense = model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(second, dense)
+    cache.close()
+
+
+def test_requests_that_do_not_extend_the_cached_sequences_are_refused_before_any_work():
+    model = six_layer_llama(seed=5)
+    ids = _turns(6, batch=2, lengths=(50,))[0]
+    cache = DualDecoderCache(model.config, **FULL)
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, cache=cache)
+    host, threads = live_host_bytes(), threading.active_count()
+    changed = out.clone()
+    changed[1, 10] = (changed[1, 10] + 1) % 90
+    cases = [
+        (dict(input_ids=torch.cat([changed, ids[:, :3]], 1)), "sequence 1 has token"),
+        (dict(input_ids=out[:, :20]), "at least one token"),
+        (dict(input_ids=torch.cat([out, out], 0)), "same batch size"),
+        (dict(inputs_embeds=torch.randn(2, out.shape[1] + 2, 64)), "not inputs_embeds"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            model.generate(**kwargs, max_new_tokens=3, do_sample=False, cache=cache)
+        assert live_host_bytes() == host and threading.active_count() == threads
+    # a valid continuation still works after the refusals
+    more = model.generate(torch.cat([out, ids[:, :2]], 1), max_new_tokens=2, do_sample=False, cache=cache)
+    assert more.shape[1] == out.shape[1] + 4
+    cache.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        model.generate(torch.cat([more, ids[:, :2]], 1), max_new_tokens=2, cache=cache)
+
+
+def test_between_requests_a_cache_holds_no_thread_and_no_device_memory():
+    model = six_layer_llama(seed=7)
+    ids = _turns(8, batch=1, lengths=(90,))[0]
+    threads = threading.active_count()
+    cache = DualDecoderCache(model.config, budget=8, window=8, early_layers=0, retrieval_threads=2)
+    out = model.generate(ids, max_new_tokens=6, do_sample=False, cache=cache)
+    assert threading.active_count() == threads
+    assert cache.schedule is None and all(layer.ring_keys is None for layer in cache.dual_layers)
+    assert cache._device_bytes() == 0 and cache.stats()["device_bytes"] > 0  # what decoding held is reported
+    assert cache.stats()["host_bytes"] > 0
+    model.generate(torch.cat([out, ids[:, :3]], 1), max_new_tokens=3, do_sample=False, cache=cache)
+    assert threading.active_count() == threads
+    cache.close()
+
+
+@pytest.mark.parametrize("conversations", [pytest.param(50, marks=pytest.mark.slow), 8])
+def test_closed_and_abandoned_conversations_leave_nothing_behind(conversations):
+    model = six_layer_llama(seed=9)
+    gc.collect()
+    host, threads = live_host_bytes(), threading.active_count()
+    for index in range(2 * conversations):
+        cache = DualDecoderCache(model.config, budget=8, window=8, early_layers=0, retrieval_threads=1)
+        out = model.generate(_turns(index, batch=1, lengths=(40,))[0], max_new_tokens=3, do_sample=False,
+                             cache=cache)
+        model.generate(torch.cat([out, out[:, :2]], 1), max_new_tokens=2, do_sample=False, cache=cache)
+        if index % 2:
+            cache.close()
+        del cache  # the other half is abandoned without close()
+    gc.collect()
+    assert live_host_bytes() == host and threading.active_count() == threads
+
+
+def _shared_batch(seed: int, prefix: int = 200, lengths=(5, 9, 7)):
+    """A document `(1, prefix)` and a batch of questions after it, padded between the two (attention mask 0)."""
+    generator = torch.Generator().manual_seed(seed)
+    document = torch.randint(3, 90, (1, prefix), generator=generator)
+    width = max(lengths)
+    suffix = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        suffix[row, width - n:] = torch.randint(3, 90, (n,), generator=generator)
+        mask[row, width - n:] = 1
+    ids = torch.cat([document.expand(len(lengths), -1), suffix], dim=1)
+    return document, ids, torch.cat([torch.ones(len(lengths), prefix, dtype=torch.long), mask], dim=1)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+@pytest.mark.parametrize("selector", ["clusters", "exact"])
+def test_a_batch_sharing_one_stored_prefix_equals_the_default_cache_at_full_budget(name, selector):
+    model = TINY_MODELS[name](seed=10)
+    document, ids, mask = _shared_batch(11)
+    dense = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    with DualDecoderCache(model.config, **FULL, selector=selector) as cache:
+        model.generate(document, max_new_tokens=1, do_sample=False, cache=cache)  # the prefill of the document
+        one = cache.stats()["host_bytes"]
+        shared = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, cache=cache)
+        assert torch.equal(shared, dense)
+        # the document is stored once: what the batch added is each question's own positions
+        own_tokens = cache.get_seq_length() - document.shape[1]
+        layers = len(cache.dual_layers)
+        per_token = 2 * cache.kv_heads * cache.head_dim * 4  # K and V, fp32, one sequence
+        assert cache.stats()["host_bytes"] - one < 3 * layers * per_token * (own_tokens + 64) * 2
+
+
+def test_a_shared_prefix_at_partial_budget_selects_per_sequence_with_repairs():
+    model = six_layer_llama(seed=12)
+    document, ids, mask = _shared_batch(13, prefix=400, lengths=(6, 12, 9))
+    options = {"budget": 16, "window": 8, "early_layers": 0, "cluster_size": 4, "cluster_segment": 32,
+               "cluster_min_context": 0}
+    with DualDecoderCache(model.config, **options) as cache:
+        model.generate(document, max_new_tokens=1, do_sample=False, cache=cache)
+        recorded = record_selections(cache, at="release")
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, cache=cache)
+        assert out.shape == (3, ids.shape[1] + 6) and cache.stats()["repairs"] > 0
+    _, indices, valid, _ = recorded[-1]
+    rows = [set(indices[b][valid[b]].tolist()) for b in range(3)]
+    assert rows[0] != rows[1] or rows[1] != rows[2]  # each request chooses its own entries
+    with DualDecoderCache(model.config, **options, selector="shortlist") as cache:
+        model.generate(document, max_new_tokens=1, do_sample=False, cache=cache)
+        with pytest.raises(ValueError, match="cannot share"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=2, cache=cache)
+
+
+@pytest.mark.parametrize("seed", [14, 15])
+def test_queries_of_every_sequence_against_shared_keys_equal_per_sequence_products(seed):
+    generator = torch.Generator().manual_seed(seed)
+    shared = torch.randn(1, 2, 50, 8, generator=generator)
+    own = torch.randn(3, 2, 20, 8, generator=generator)
+    query = torch.randn(3, 6, 8, generator=generator)
+    got = _logits(query, [shared, own])
+    for row in range(3):
+        expected = _logits(query[row : row + 1], [shared, own[row : row + 1]])
+        torch.testing.assert_close(got[row : row + 1], expected)
+
+
+def test_a_short_prompt_holds_about_what_it_stores():
+    model = six_layer_llama(seed=16)
+    cache = DualDecoderCache(model.config, budget=8, window=8)
+    model.generate(torch.randint(3, 90, (1, 57)), max_new_tokens=4, do_sample=False, cache=cache)
+    stats = cache.stats()
+    kv = stats["dense_equivalent_bytes"]
+    assert stats["host_bytes"] <= 2 * kv  # store chunks sized to the prompt, then small steps
+    cache.close()
