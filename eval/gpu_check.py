@@ -25,7 +25,9 @@ import time
 import torch
 
 from ..cache import DualDecoderCache
-from .bench import BenchGrid, PromptSource, llama31_8b_config, random_model, run_cell
+from .bench_cell import run_cell
+from .bench_grid import BenchGrid
+from .bench_models import PromptSource, llama31_8b_config, random_model
 
 
 def small_real_shaped_config(tiny: bool):
