@@ -171,19 +171,22 @@ def _jsonable(value):
     return value
 
 
-def write_result(result: BenchResult, out_dir: str, plots: bool = True, log: Callable[[str], None] = print) -> dict:
-    """Write `cells.jsonl` (one JSON object per cell), `summary.json`, `table.md` and the plots under `out_dir`.
+def write_result(result: BenchResult, out_dir: str, plots: bool = True, cells_jsonl: bool = True,
+                 log: Callable[[str], None] = print) -> dict:
+    """Write `cells.jsonl` (one JSON object per cell; `summary.json` holds the same rows), `summary.json`,
+    `table.md` and the plots under `out_dir`.
 
     Returns `{kind: path}` of the files written.
     """
     from . import bench_report
 
     os.makedirs(out_dir, exist_ok=True)
-    paths = {"cells": os.path.join(out_dir, "cells.jsonl"), "summary": os.path.join(out_dir, "summary.json"),
-             "table": os.path.join(out_dir, "table.md")}
-    with open(paths["cells"], "w", encoding="utf-8") as handle:
-        for row in result.cells:
-            handle.write(json.dumps(_jsonable(row)) + "\n")
+    paths = {"summary": os.path.join(out_dir, "summary.json"), "table": os.path.join(out_dir, "table.md")}
+    if cells_jsonl:
+        paths["cells"] = os.path.join(out_dir, "cells.jsonl")
+        with open(paths["cells"], "w", encoding="utf-8") as handle:
+            for row in result.cells:
+                handle.write(json.dumps(_jsonable(row)) + "\n")
     with open(paths["summary"], "w", encoding="utf-8") as handle:
         json.dump(_jsonable(asdict(result)), handle, indent=1)
     with open(paths["table"], "w", encoding="utf-8") as handle:
@@ -248,6 +251,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--out", default=None, help="output folder (default: results/bench/<device>-<model>)")
     parser.add_argument("--no-plots", action="store_true", help="skip the matplotlib plots")
+    parser.add_argument("--no-cells-jsonl", action="store_true",
+                        help="skip cells.jsonl (summary.json holds the same rows; fewer files to bring back)")
 
 
 def grid_from_args(args) -> BenchGrid:
@@ -314,12 +319,13 @@ def run_from_args(args) -> int:
     model, tokenizer = load_bench_model(model_name, device)
     result = run_bench(model, tokenizer, grid, limits=limits, model_name=model_name,
                        max_batch_cap=args.max_batch_cap, max_cell_seconds=args.max_cell_seconds,
-                       on_progress=lambda partial: write_result(partial, out_dir, plots=False))
+                       on_progress=lambda partial: write_result(partial, out_dir, plots=False,
+                                                                cells_jsonl=not args.no_cells_jsonl))
     from . import bench_report
 
     print()
     print(bench_report.render_markdown(result))
-    paths = write_result(result, out_dir, plots=not args.no_plots)
+    paths = write_result(result, out_dir, plots=not args.no_plots, cells_jsonl=not args.no_cells_jsonl)
     print("wrote " + ", ".join(paths.values()))
     return 0
 

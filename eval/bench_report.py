@@ -47,11 +47,12 @@ def cell_table(cells: list[dict]) -> str:
     """Markdown table, one line per cell; `×dense` / `×offl` are this row's decode tokens/s over the dense /
     offloaded row at the same context and batch, `dev/dense` its device bytes per request over dense's."""
     head = ("| method | context | batch | TTFT s | decode tok/s | ms/step | device MiB/req | CUDA peak MiB/req all / decode | "
-            "host MiB/req | copied MiB/step | overlap | hit rate | repaired | ×dense tok/s | ×offl tok/s | dev/dense bytes |")
+            "host MiB/req | copied MiB/step | overlap | wait s | hit rate | repaired | ×dense tok/s | ×offl tok/s | "
+            "dev/dense bytes |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in cells:
         if row["error"] is not None:
-            lines.append(f"| {label(row)} | {row['context']} | {row['batch']} | error: {row['error']} |" + " |" * 12)
+            lines.append(f"| {label(row)} | {row['context']} | {row['batch']} | error: {row['error']} |" + " |" * 13)
             continue
         dense = _baseline(cells, "dense", row["context"], row["batch"])
         offl = _baseline(cells, "offloaded", row["context"], row["batch"])
@@ -63,7 +64,7 @@ def cell_table(cells: list[dict]) -> str:
             f"{_mib(row['device_bytes_per_request'])} | {_mib(row['cuda_peak_bytes_per_request'])} / "
             f"{_mib(row['cuda_decode_peak_bytes_per_request'])} | "
             f"{_mib(row['host_bytes_per_request'])} | {_mib(row['bytes_copied_per_step'])} | "
-            f"{_num(row['overlap_ratio'])} | {_num(row['spec_hit_rate'], '{:.0%}')} | "
+            f"{_num(row['overlap_ratio'])} | {_num(row['wait_seconds'])} | {_num(row['spec_hit_rate'], '{:.0%}')} | "
             f"{_num(row.get('repaired_fraction', math.nan), '{:.0%}')} | "
             f"{'—' if is_base or not dense else _num(_ratio(row['decode_tokens_per_s'], dense['decode_tokens_per_s']))} | "
             f"{'—' if is_base or not offl else _num(_ratio(row['decode_tokens_per_s'], offl['decode_tokens_per_s']))} | "

@@ -1,0 +1,72 @@
+#!/bin/bash
+# The CUDA test machine's run (issues 15 and 14), in one call of at most ~8 minutes. From the repository root, with
+# $OUT set and the wheels of `make device-wheels` in .wheels/ (carried: that machine has no package index):
+#
+#     bash eval/device_run.sh
+#
+# That machine has torch 2.11 + CUDA 13, transformers 5.17, triton 3.6, 16 host cores, 128 GiB of host memory. This
+# installs the carried wheels (transformers 5.24, regex, setuptools) and dual-cache itself with --no-deps into
+# /tmp/dual-site, then, most important first:
+#   1. the Triton kernel's tests on CUDA (compiled kernel == torch reference), then kernel vs reference time per
+#      layer call;
+#   2. full budget == dense and pipelined == synchronous on CUDA with the default selector (eval/gpu_check.py);
+#   3. max batch and decode throughput there under a 24 GiB device cap at 32K, then at 128K: dense, dual without
+#      miss repair, dual at the forced miss rate $MISS, offloaded, Quest, dual with every step repaired;
+#   4. issue 14: 32K decode at batch 1 and 8, dense vs dual (miss repair off and on): ms/step, overlap, wait s.
+# Each stage gets its share of the time (later stages keep theirs even when an earlier one runs long) and writes
+# its files as it goes, so a stage cut short keeps what it measured. What comes back (8 files at most):
+# $OUT/log.txt, $OUT/gpu_check.json, and summary.json + table.md in $OUT/cap24-32k, $OUT/cap24-128k,
+# $OUT/latency-32k. Knobs (environment): MISS (forced miss rate, default the embedded model's measured one),
+# HOST_GIB (host memory for the KV, default 100), CAP_GIB (device cap, default 24), TOTAL_S (default 465).
+set -u
+MISS=${MISS:-0.26}
+HOST_GIB=${HOST_GIB:-100}
+CAP_GIB=${CAP_GIB:-24}
+DEADLINE=$((SECONDS + ${TOTAL_S:-465}))
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+exec > >(tee -a "$OUT/log.txt") 2>&1
+
+stage() {  # stage RESERVE NAME COMMAND...: run with what is left after RESERVE seconds promised to later stages
+    local reserve=$1 name=$2
+    shift 2
+    local left=$((DEADLINE - SECONDS - reserve))
+    if [ "$left" -lt 15 ]; then
+        echo "== $name: skipped, ${left}s left for it"
+        return
+    fi
+    echo "== $name (${left}s at most) @ $((SECONDS))s"
+    timeout --kill-after=10 "$left" "$@"
+    echo "== $name: exit $? @ $((SECONDS))s"
+}
+
+nvidia-smi -L
+free -g | head -2
+echo "== install (.wheels + dual-cache, --no-deps)"
+ls .wheels/*.whl || { echo "no .wheels/: run 'make device-wheels' and carry .wheels"; exit 2; }
+SITE=/tmp/dual-site
+rm -rf "$SITE"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --find-links .wheels --target "$SITE" \
+    .wheels/transformers-*.whl .wheels/regex-*.whl . || exit 2
+export PYTHONPATH=$SITE
+python3 -c "import torch, transformers, triton, dual_cache
+print('torch', torch.__version__, '| transformers', transformers.__version__, '| triton', triton.__version__,
+      '| default selector', dual_cache.DualDecoderConfig().selector, '| host cores', __import__('os').cpu_count())" \
+    || exit 2
+
+LLAMA=(python3 -m dual_cache.eval.bench --device cuda --model llama8b --budgets 256 --no-plots --no-cells-jsonl)
+CAPPED=("${LLAMA[@]}" --device-budget-gib "$CAP_GIB" --host-budget-gib "$HOST_GIB" --batches 1 --new-tokens 8
+        --warmup-steps 2 --forced-miss-rate "$MISS"
+        --methods dense dual-no-repair dual-forced-miss offloaded quest dual-self)
+
+stage 320 "1a. kernel tests on CUDA" python3 -m pytest -q -p no:cacheprovider tests/test_kernel_triton.py \
+    -k "cuda and not without_a_gpu"
+stage 305 "1b. kernel vs reference, us per layer call" python3 -m dual_cache.kernels.bench_kernel --dtype bf16 \
+    --budgets 256 1024 --batches 1 8 32 --rep-ms 25
+stage 270 "2. correctness on CUDA" python3 -m dual_cache.eval.gpu_check --out "$OUT"
+stage 150 "3a. max batch at ${CAP_GIB} GiB, 32K" "${CAPPED[@]}" --contexts 32768 --prefill-chunk-size 4096 \
+    --max-cell-seconds 75 --out "$OUT/cap24-32k"
+stage 70 "3b. max batch at ${CAP_GIB} GiB, 128K" "${CAPPED[@]}" --contexts 131072 --prefill-chunk-size 8192 \
+    --max-cell-seconds 60 --out "$OUT/cap24-128k"
+stage 0 "4. issue 14: 32K decode, batch 1 and 8" "${LLAMA[@]}" --contexts 32768 --batches 1 8 --new-tokens 16 \
+    --warmup-steps 3 --methods dense dual-no-repair dual-self --out "$OUT/latency-32k"
+echo "== done @ $((SECONDS))s"
