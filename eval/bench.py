@@ -74,7 +74,7 @@ class BenchResult:
 
 def run_bench(model, tokenizer, grid: BenchGrid, limits: MemoryLimits | None = None, model_name: str = "",
               max_batch_cap: int = 256, max_cell_seconds: float | None = None, log: Callable[[str], None] = print,
-              on_progress: Callable[[BenchResult], None] | None = None) -> BenchResult:
+              on_progress: Callable[[BenchResult], None] | None = None, keep_going: bool = False) -> BenchResult:
     """Measure every cell of `grid` on `model` (already loaded), then, with `limits`, each method's max batch.
 
     Args:
@@ -85,6 +85,8 @@ def run_bench(model, tokenizer, grid: BenchGrid, limits: MemoryLimits | None = N
         log: where progress lines go (each finished cell's JSON too).
         on_progress: called with the result so far after each cell and each max-batch row (e.g. to write files,
             so an interrupted run keeps what it measured).
+        keep_going: a cell failing for another reason than memory is recorded (`error` "failed: ...") and the run
+            goes on, instead of raising.
     """
     grid.validate()
     device = model.device
@@ -93,10 +95,11 @@ def run_bench(model, tokenizer, grid: BenchGrid, limits: MemoryLimits | None = N
     linears = gemm_linears(model) if grid.cpu_linear == "gemm" else contextlib.nullcontext()
     with linears:
         return _run_bench(model, tokenizer, grid, limits, model_name, max_batch_cap, max_cell_seconds, log,
-                          on_progress or (lambda result: None))
+                          on_progress or (lambda result: None), keep_going)
 
 
-def _run_bench(model, tokenizer, grid, limits, model_name, max_batch_cap, max_cell_seconds, log, on_progress):
+def _run_bench(model, tokenizer, grid, limits, model_name, max_batch_cap, max_cell_seconds, log, on_progress,
+               keep_going):
     device = model.device
     skip = skipped_methods(grid, device)
     for method, reason in skip.items():
@@ -126,7 +129,7 @@ def _run_bench(model, tokenizer, grid, limits, model_name, max_batch_cap, max_ce
     warm = BenchGrid(**{**asdict(grid), "new_tokens": grid.warmup_steps + 3})
     for method in dict.fromkeys(m for m, *_ in grid.cells(set(skip))):
         run_cell(model, prompts, method, short, 1, grid.budgets_of(method)[0], warm, model_name=model_name,
-                 host_limit_bytes=host_limit)
+                 host_limit_bytes=host_limit, keep_going=keep_going)
 
     measured: dict[tuple, dict] = {}
 
@@ -134,29 +137,28 @@ def _run_bench(model, tokenizer, grid, limits, model_name, max_batch_cap, max_ce
         key = (method, context, batch, budget)
         if key not in measured:
             row = run_cell(model, prompts, method, context, batch, budget, grid, model_name=model_name,
-                           host_limit_bytes=host_limit)
+                           host_limit_bytes=host_limit, keep_going=keep_going)
             measured[key] = row
             result.cells.append(row)
             log(json.dumps(_jsonable(row)))
             on_progress(result)
         return measured[key]
 
-    for method, context, batch, budget in grid.cells(set(skip)):
+    if limits is not None:  # method by method, so each one's max-batch row lands before the next method starts
+        for context in grid.contexts:
+            for method in grid.expanded_methods():
+                if method in skip:
+                    continue
+                for budget in grid.budgets_of(method):
+                    found = find_max_batch(lambda batch: cell(method, context, batch, budget), limits, weights,
+                                           cap=max_batch_cap, max_cell_seconds=max_cell_seconds)
+                    found.update(method=method, context=context, budget=budget,
+                                 forced_miss_rate=measured[(method, context, 1, budget)]["forced_miss_rate"])
+                    result.max_batch.append(found)
+                    log(json.dumps(_jsonable({k: v for k, v in found.items() if k != "runs"})))
+                    on_progress(result)
+    for method, context, batch, budget in grid.cells(set(skip)):  # the grid's batches not run by the search
         cell(method, context, batch, budget)
-    if limits is None:
-        return result
-    for context in grid.contexts:
-        for method in grid.expanded_methods():
-            if method in skip:
-                continue
-            for budget in grid.budgets_of(method):
-                found = find_max_batch(lambda batch: cell(method, context, batch, budget), limits, weights,
-                                       cap=max_batch_cap, max_cell_seconds=max_cell_seconds)
-                found.update(method=method, context=context, budget=budget,
-                             forced_miss_rate=measured[(method, context, 1, budget)]["forced_miss_rate"])
-                result.max_batch.append(found)
-                log(json.dumps(_jsonable({k: v for k, v in found.items() if k != "runs"})))
-                on_progress(result)
     return result
 
 
@@ -248,6 +250,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-cell-seconds", type=float, default=None,
                         help="max-batch runs predicted to take longer are not made; their throughput is extrapolated "
                              "from the measured batches and labelled so (default: always measure)")
+    parser.add_argument("--keep-going", action="store_true",
+                        help="record a cell that fails for another reason than memory (error 'failed: ...') and go on")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--out", default=None, help="output folder (default: results/bench/<device>-<model>)")
     parser.add_argument("--no-plots", action="store_true", help="skip the matplotlib plots")
@@ -319,6 +323,7 @@ def run_from_args(args) -> int:
     model, tokenizer = load_bench_model(model_name, device)
     result = run_bench(model, tokenizer, grid, limits=limits, model_name=model_name,
                        max_batch_cap=args.max_batch_cap, max_cell_seconds=args.max_cell_seconds,
+                       keep_going=args.keep_going,
                        on_progress=lambda partial: write_result(partial, out_dir, plots=False,
                                                                 cells_jsonl=not args.no_cells_jsonl))
     from . import bench_report

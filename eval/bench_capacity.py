@@ -26,7 +26,7 @@ import torch
 
 NAN = float("nan")
 GIB = 1024 ** 3
-DEVICE, HOST, BATCH_CAP = "device memory", "host memory", "batch cap"
+DEVICE, HOST, BATCH_CAP, FAILED = "device memory", "host memory", "batch cap", "run failed"
 
 
 @dataclass(frozen=True)
@@ -86,9 +86,12 @@ def footprint(row: dict, weight_bytes: int) -> Footprint:
 
 
 def limit_reached(row: dict, used: Footprint | None, limits: MemoryLimits) -> str | None:
-    """Which limit a run broke (`DEVICE`, `HOST`), or None when it fitted."""
+    """Which limit a run broke (`DEVICE`, `HOST`; `FAILED` for a run that failed otherwise), or None when it
+    fitted."""
     error = row.get("error")
     if error:
+        if error.startswith("failed"):
+            return FAILED
         return HOST if error.startswith("host memory") else DEVICE
     if limits.device_bytes is not None and used.device > limits.device_bytes:
         return DEVICE
@@ -153,7 +156,7 @@ def find_max_batch(measure: Callable[[int], dict], limits: MemoryLimits, weight_
         max_retries: bisection runs after the predicted maximum failed.
 
     Returns:
-        A dict: `max_batch`, `limited_by` (`DEVICE`, `HOST` or `BATCH_CAP`), `predicted` (the batch each limit
+        A dict: `max_batch`, `limited_by` (`DEVICE`, `HOST`, `BATCH_CAP`, or `FAILED` with the run's error), `predicted` (the batch each limit
         allows by the fit: device, device with the decode-phase peak only, host), `measured_at_batch` (the
         largest batch that ran and fitted), `how` ("measured" at max_batch, or "extrapolated from batches ..."),
         `decode_tokens_per_s`, `ms_per_step`, `prefill_s` at max_batch, the per-request bytes, and `runs`
@@ -200,7 +203,7 @@ def find_max_batch(measure: Callable[[int], dict], limits: MemoryLimits, weight_
             good = target
         else:
             bad, limit = target, broke
-        if bad is None or bad - good <= 1 or retries >= max_retries:
+        if bad is None or bad - good <= 1 or retries >= max_retries or broke == FAILED:
             break
         target = (good + bad) // 2
     result.update(max_batch=good, limited_by=limit)

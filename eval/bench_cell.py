@@ -109,15 +109,16 @@ def _generate_kwargs(model, method: str, budget: int | None, grid: BenchGrid, pr
 
 def run_cell(model, prompts: PromptSource, method: str, context: int, batch: int, budget: int | None,
              grid: BenchGrid, new_tokens: int | None = None, model_name: str = "",
-             host_limit_bytes: int | None = None) -> dict:
+             host_limit_bytes: int | None = None, keep_going: bool = False) -> dict:
     """Run one `generate()` and return its row (keys `COLUMNS`); running out of device or host memory sets `error`
-    instead of raising.
+    ("out of memory: ...", "host memory: ...") instead of raising.
 
     Args:
         new_tokens: overrides `grid.new_tokens`.
         host_limit_bytes: host memory the cell's KV may use (bytes): a cell whose full KV would exceed it is not
             run (`error` "host memory: ..."), and dual / quest caches get it as `max_host_bytes`. None: 85% of the
             host memory available now.
+        keep_going: record any other exception as `error` "failed: ..." instead of raising.
     """
     import dual_cache  # noqa: F401  (registers cache_implementation="dual")
 
@@ -163,10 +164,13 @@ def run_cell(model, prompts: PromptSource, method: str, context: int, batch: int
         acct = cache_accounting(method, cache)
     except MemoryError as error:  # dual_cache.HostMemoryError: the host stores would pass max_host_bytes
         failed = f"host memory: {str(error).splitlines()[0][:200]}"
-    except Exception as error:  # noqa: BLE001  (only out-of-memory is recorded; anything else is a bug)
-        if not is_oom(error):
+    except Exception as error:  # noqa: BLE001  (out of memory is recorded; anything else is a bug ...)
+        if is_oom(error):
+            failed = f"out of memory: {str(error).splitlines()[0][:200]}"
+        elif keep_going:  # ... recorded only when asked, so one broken method does not end a long device run
+            failed = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+        else:
             raise
-        failed = f"out of memory: {str(error).splitlines()[0][:200]}"
     del out, cache
     kwargs.clear()  # an explicit cache object goes with the call's other references
     _free_device(device)

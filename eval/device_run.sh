@@ -53,7 +53,8 @@ print('torch', torch.__version__, '| transformers', transformers.__version__, '|
       '| default selector', dual_cache.DualDecoderConfig().selector, '| host cores', __import__('os').cpu_count())" \
     || exit 2
 
-LLAMA=(python3 -m dual_cache.eval.bench --device cuda --model llama8b --budgets 256 --no-plots --no-cells-jsonl)
+LLAMA=(python3 -m dual_cache.eval.bench --device cuda --model llama8b --budgets 256 --no-plots --no-cells-jsonl
+       --keep-going)
 CAPPED=("${LLAMA[@]}" --device-budget-gib "$CAP_GIB" --host-budget-gib "$HOST_GIB" --batches 1 --new-tokens 8
         --warmup-steps 2 --forced-miss-rate "$MISS"
         --methods dense dual-no-repair dual-forced-miss offloaded quest dual-self)

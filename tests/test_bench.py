@@ -259,3 +259,20 @@ def test_bench_with_gemm_linears_runs_and_says_so(model):
         small_grid(cpu_linear="fast").validate()
     with pytest.raises(ValueError, match="up to 64 rows"):
         small_grid(cpu_linear="gemm", batches=(1, 33)).validate()
+
+
+def test_keep_going_records_a_failed_cell_instead_of_raising(model, monkeypatch):
+    from dual_cache.eval.bench_cell import run_cell
+    from dual_cache.eval.bench_models import PromptSource
+
+    grid = small_grid(methods=("dense",), batches=(1,), contexts=(40,))
+    prompts = PromptSource(None, 96, model.device)
+
+    def broken(*args, **kwargs):
+        raise TypeError("this cache cannot prefill in chunks")
+
+    monkeypatch.setattr(model, "generate", broken)
+    row = run_cell(model, prompts, "dense", 40, 1, None, grid, keep_going=True)
+    assert row["error"] == "failed: TypeError: this cache cannot prefill in chunks"
+    with pytest.raises(TypeError):
+        run_cell(model, prompts, "dense", 40, 1, None, grid)

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from dual_cache.eval.bench_capacity import (
-    BATCH_CAP, DEVICE, HOST, MemoryLimits, find_max_batch, footprint, predict_batches,
+    BATCH_CAP, DEVICE, FAILED, HOST, MemoryLimits, find_max_batch, footprint, predict_batches,
 )
 from dual_cache.eval.bench_cell import empty_row
 from dual_cache.eval.bench_grid import BenchGrid
@@ -122,3 +122,17 @@ def test_cpu_pool_is_shared_by_weights_device_and_host_bytes():
     alone = predict_batches(footprint(cell(1), WEIGHTS), footprint(cell(2), WEIGHTS),
                             MemoryLimits(device_bytes=None, host_bytes=limits.host_bytes))
     assert alone["host"] > 25
+
+
+def test_a_failed_run_stops_the_search():
+    cell = FakeCell()
+    original = cell.__call__
+
+    def broken(batch):
+        row = original(batch)
+        if batch > 1:
+            row["error"] = "failed: TypeError: offloaded cache cannot do this"
+        return row
+
+    found = find_max_batch(broken, MemoryLimits(None, 10 ** 9), WEIGHTS)
+    assert (found["max_batch"], found["limited_by"]) == (1, FAILED)
