@@ -13,7 +13,8 @@ the batch where the first limit binds, and runs the cell at that batch: that run
 the throughput measurement. If it does not fit, it bisects between the last batch that fitted and the one that did
 not (a few runs at most). A run whose predicted duration (prefill and decode, each fitted the same way) exceeds
 `max_cell_seconds` is not made: its throughput is then extrapolated from the measured batches (ms per step affine
-in the batch) and labelled so. The cell runner is passed in (`measure`), so the logic is tested with fake probes.
+in the batch, never falling) and labelled so. The cell runner is passed in (`measure`), so the logic is tested
+with fake probes.
 """
 
 from __future__ import annotations
@@ -210,13 +211,20 @@ def find_max_batch(measure: Callable[[int], dict], limits: MemoryLimits, weight_
     return _summarize(result, fitted, good)
 
 
-def _predicted_seconds(fitted: dict[int, dict], batch: int) -> float:
-    prefill = _affine([(b, r["prefill_s"]) for b, r in fitted.items()])
-    step = _affine([(b, r["ms_per_step"]) for b, r in fitted.items()])
-    if prefill is None or step is None:
+def _extrapolate(fitted: dict[int, dict], key: str, batch: int) -> float:
+    """`fitted` rows' `key` at `batch` by the affine fit over the batch; a falling fit (timing noise: no cost falls
+    with the batch) is replaced by the value at the largest measured batch. NaN with fewer than two batches."""
+    fit = _affine([(b, r[key]) for b, r in fitted.items()])
+    if fit is None:
         return NAN
-    steps = max(r["decode_steps"] for r in fitted.values() if _finite(r["decode_steps"]))
-    return prefill[0] + prefill[1] * batch + steps * (step[0] + step[1] * batch) / 1000
+    if fit[1] < 0:
+        return fitted[max(fitted)][key]
+    return fit[0] + fit[1] * batch
+
+
+def _predicted_seconds(fitted: dict[int, dict], batch: int) -> float:
+    steps = max((r["decode_steps"] for r in fitted.values() if _finite(r["decode_steps"])), default=NAN)
+    return _extrapolate(fitted, "prefill_s", batch) + steps * _extrapolate(fitted, "ms_per_step", batch) / 1000
 
 
 def _summarize(result: dict, fitted: dict[int, dict], max_batch: int) -> dict:
@@ -234,12 +242,10 @@ def _summarize(result: dict, fitted: dict[int, dict], max_batch: int) -> dict:
     if max_batch == measured:
         result["how"] = "measured"
         return result
-    step = _affine([(b, r["ms_per_step"]) for b, r in fitted.items()])
-    prefill = _affine([(b, r["prefill_s"]) for b, r in fitted.items()])
-    ms = step[0] + step[1] * max_batch if step else NAN
+    ms = _extrapolate(fitted, "ms_per_step", max_batch)
     result.update(
         ms_per_step=ms, decode_tokens_per_s=1000 * max_batch / ms if _finite(ms) and ms > 0 else NAN,
-        prefill_s=prefill[0] + prefill[1] * max_batch if prefill else NAN,
+        prefill_s=_extrapolate(fitted, "prefill_s", max_batch),
         how="extrapolated from batches " + ", ".join(str(b) for b in sorted(fitted)),
     )
     return result

@@ -11,32 +11,42 @@
 #      layer call;
 #   2. full budget == dense and pipelined == synchronous on CUDA with the default selector (eval/gpu_check.py);
 #   3. max batch and decode throughput there under a 24 GiB device cap at 32K, then at 128K: dense, dual without
-#      miss repair, dual at the forced miss rate $MISS, offloaded, Quest, dual with every step repaired;
+#      miss repair, Quest, offloaded, dual at the forced miss rate $MISS, dual with every step repaired;
 #   4. issue 14: 32K decode at batch 1 and 8, dense vs dual (miss repair off and on): ms/step, overlap, wait s.
 # Each stage gets its share of the time (later stages keep theirs even when an earlier one runs long) and writes
 # its files as it goes, so a stage cut short keeps what it measured. What comes back (8 files at most):
 # $OUT/log.txt, $OUT/gpu_check.json, and summary.json + table.md in $OUT/cap24-32k, $OUT/cap24-128k,
 # $OUT/latency-32k. Knobs (environment): MISS (forced miss rate, default the embedded model's measured one),
-# HOST_GIB (host memory for the KV, default 100), CAP_GIB (device cap, default 24), TOTAL_S (default 465).
+# HOST_GIB (host memory for the KV, default 100), CAP_GIB (device cap, default 24), TOTAL_S (default 465), STAGES
+# (which of 1a 1b 2 3a 3b 4 to run, default all: a second call can finish what a first one left).
 set -u
 MISS=${MISS:-0.26}
 HOST_GIB=${HOST_GIB:-100}
 CAP_GIB=${CAP_GIB:-24}
+STAGES=" ${STAGES:-1a 1b 2 3a 3b 4} "
 DEADLINE=$((SECONDS + ${TOTAL_S:-465}))
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 exec > >(tee -a "$OUT/log.txt") 2>&1
 
-stage() {  # stage RESERVE NAME COMMAND...: run with what is left after RESERVE seconds promised to later stages
-    local reserve=$1 name=$2
+# seconds each stage is promised; a stage may also use what earlier stages left, never what later ones are promised
+declare -A SHARE=([1a]=60 [1b]=20 [2]=30 [3a]=150 [3b]=80 [4]=70)
+ORDER=(1a 1b 2 3a 3b 4)
+stage() {  # stage ID NAME COMMAND...
+    local id=$1 name=$2 reserve=0 later=0 other
     shift 2
+    [[ $STAGES == *" $id "* ]] || return 0
+    for other in "${ORDER[@]}"; do
+        if [ "$later" = 1 ] && [[ $STAGES == *" $other "* ]]; then reserve=$((reserve + SHARE[$other])); fi
+        [ "$other" = "$id" ] && later=1
+    done
     local left=$((DEADLINE - SECONDS - reserve))
     if [ "$left" -lt 15 ]; then
-        echo "== $name: skipped, ${left}s left for it"
-        return
+        echo "== $id. $name: skipped, ${left}s left for it"
+        return 0
     fi
-    echo "== $name (${left}s at most) @ $((SECONDS))s"
+    echo "== $id. $name (${left}s at most) @ ${SECONDS}s"
     timeout --kill-after=10 "$left" "$@"
-    echo "== $name: exit $? @ $((SECONDS))s"
+    echo "== $id. $name: exit $? @ ${SECONDS}s"
 }
 
 nvidia-smi -L
@@ -55,19 +65,19 @@ print('torch', torch.__version__, '| transformers', transformers.__version__, '|
 
 LLAMA=(python3 -m dual_cache.eval.bench --device cuda --model llama8b --budgets 256 --no-plots --no-cells-jsonl
        --keep-going)
-CAPPED=("${LLAMA[@]}" --device-budget-gib "$CAP_GIB" --host-budget-gib "$HOST_GIB" --batches 1 --new-tokens 8
+CAPPED=("${LLAMA[@]}" --device-budget-gib "$CAP_GIB" --host-budget-gib "$HOST_GIB" --batches 1 --new-tokens 6
         --warmup-steps 2 --forced-miss-rate "$MISS"
-        --methods dense dual-no-repair dual-forced-miss offloaded quest dual-self)
+        --methods dense dual-no-repair quest offloaded dual-forced-miss dual-self)
 
-stage 320 "1a. kernel tests on CUDA" python3 -m pytest -q -p no:cacheprovider tests/test_kernel_triton.py \
+stage 1a "kernel tests on CUDA" python3 -m pytest -q -p no:cacheprovider tests/test_kernel_triton.py \
     -k "cuda and not without_a_gpu"
-stage 305 "1b. kernel vs reference, us per layer call" python3 -m dual_cache.kernels.bench_kernel --dtype bf16 \
+stage 1b "kernel vs reference, us per layer call" python3 -m dual_cache.kernels.bench_kernel --dtype bf16 \
     --budgets 256 1024 --batches 1 8 32 --rep-ms 25
-stage 270 "2. correctness on CUDA" python3 -m dual_cache.eval.gpu_check --out "$OUT"
-stage 150 "3a. max batch at ${CAP_GIB} GiB, 32K" "${CAPPED[@]}" --contexts 32768 --prefill-chunk-size 4096 \
-    --max-cell-seconds 75 --out "$OUT/cap24-32k"
-stage 70 "3b. max batch at ${CAP_GIB} GiB, 128K" "${CAPPED[@]}" --contexts 131072 --prefill-chunk-size 8192 \
-    --max-cell-seconds 60 --out "$OUT/cap24-128k"
-stage 0 "4. issue 14: 32K decode, batch 1 and 8" "${LLAMA[@]}" --contexts 32768 --batches 1 8 --new-tokens 16 \
+stage 2 "correctness on CUDA" python3 -m dual_cache.eval.gpu_check --out "$OUT"
+stage 3a "max batch at ${CAP_GIB} GiB, 32K" "${CAPPED[@]}" --contexts 32768 --prefill-chunk-size 4096 \
+    --max-cell-seconds 60 --out "$OUT/cap24-32k"
+stage 3b "max batch at ${CAP_GIB} GiB, 128K" "${CAPPED[@]}" --contexts 131072 --prefill-chunk-size 8192 \
+    --max-cell-seconds 45 --out "$OUT/cap24-128k"
+stage 4 "issue 14: 32K decode, batch 1 and 8" "${LLAMA[@]}" --contexts 32768 --batches 1 8 --new-tokens 12 \
     --warmup-steps 3 --methods dense dual-no-repair dual-self --out "$OUT/latency-32k"
-echo "== done @ $((SECONDS))s"
+echo "== done @ ${SECONDS}s"

@@ -136,3 +136,11 @@ def test_a_failed_run_stops_the_search():
 
     found = find_max_batch(broken, MemoryLimits(None, 10 ** 9), WEIGHTS)
     assert (found["max_batch"], found["limited_by"]) == (1, FAILED)
+
+
+def test_a_falling_time_fit_is_not_extrapolated_downwards():
+    cell = FakeCell(ms=(50.0, -10.0), prefill=(0.0, 2.0))  # noisy timings: batch 2 stepped faster than batch 1
+    limits = MemoryLimits(device_bytes=WEIGHTS + 1_000 + 100 * 100, host_bytes=10 ** 9)
+    found = find_max_batch(cell, limits, WEIGHTS, max_cell_seconds=60)
+    assert found["max_batch"] == 100 and found["ms_per_step"] == 30.0  # the largest measured batch's step time
+    assert found["decode_tokens_per_s"] == pytest.approx(1000 * 100 / 30.0)
