@@ -33,9 +33,11 @@ FLOOR_VENV := .venv-triton$(TRITON_FLOOR)
 test-triton-floor:
 	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
 	$(FLOOR_VENV)/bin/python -m pip install -q torch==2.13.0
-	$(FLOOR_VENV)/bin/python -m pip install -q "triton==$(TRITON_FLOOR)" "numpy<2.4" pytest  # its interpreter predates numpy 2.4
+	# triton 3.6's interpreter predates numpy 2.4
+	$(FLOOR_VENV)/bin/python -m pip install -q "triton==$(TRITON_FLOOR)" "numpy<2.4" pytest
 	$(FLOOR_VENV)/bin/python -m pip install -q -e .
-	$(FLOOR_VENV)/bin/python -m pytest -q -m "" -p no:cacheprovider tests/test_kernel_triton.py tests/test_kernel_reference.py
+	$(FLOOR_VENV)/bin/python -m pytest -q -m "" -p no:cacheprovider \
+	    tests/test_kernel_triton.py tests/test_kernel_reference.py
 
 # Wheels for the CUDA test machine (no package index there; torch 2.11, transformers 5.17, triton 3.6): what it
 # lacks, for CPython 3.12 on x86-64, installed there with --no-deps by eval/device_run.sh. setuptools builds
@@ -47,8 +49,8 @@ device-wheels: $(STAMP)
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 	    -d $(WHEELS) $(DEVICE_WHEELS)
-	@$(PYTHON) -c "import os, sys; n = sum(os.path.getsize(os.path.join('$(WHEELS)', f)) for f in os.listdir('$(WHEELS)')); \
-	    print(f'$(WHEELS): {n / 2**20:.1f} MiB'); sys.exit(n > 48 * 2**20)"
+	@$(PYTHON) -c "import os, sys; n = sum(os.path.getsize(os.path.join('$(WHEELS)', f)) \
+	    for f in os.listdir('$(WHEELS)')); print(f'$(WHEELS): {n / 2**20:.1f} MiB'); sys.exit(n > 48 * 2**20)"
 
 clean:
 	rm -rf $(VENV) $(FLOOR_VENV) $(WHEELS) *.egg-info

@@ -30,7 +30,7 @@ BACKENDS = ("auto", "torch", "triton")
 __all__ = ["BACKENDS", "resolve_backend", "sparse_decode_attention", "triton_import_error"]
 
 
-MIN_TRITON = (3, 6)  # the CUDA test machine's triton; the ahead-of-time sm_90 compile test runs under 3.6 and the latest
+MIN_TRITON = (3, 6)  # the CUDA test machine's; the sm_90 compile test runs under it (make test-triton-floor)
 
 
 @functools.lru_cache(maxsize=1)
