@@ -158,9 +158,8 @@ def find_max_batch(measure: Callable[[int], dict], limits: MemoryLimits, weight_
 
     Returns:
         A dict: `max_batch`, `limited_by` (`DEVICE`, `HOST`, `BATCH_CAP`, or `FAILED` with the run's error),
-        `predicted` (the batch each limit
-        allows by the fit: device, device with the decode-phase peak only, host), `measured_at_batch` (the
-        largest batch that ran and fitted), `how` ("measured" at max_batch, or "extrapolated from batches ..."),
+        `predicted` (the batch each limit allows by the fit: device, device with the decode-phase peak only,
+        host), `measured_at_batch` (the largest batch that ran and fitted), `how` ("measured" at max_batch, or "extrapolated from batches ..."),
         `decode_tokens_per_s`, `ms_per_step`, `prefill_s` at max_batch, the per-request bytes, and `runs`
         (batch, footprint, tokens/s, error of every run).
     """
