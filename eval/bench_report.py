@@ -7,7 +7,10 @@ import math
 import os
 from typing import Callable
 
+from .bench_grid import RATIO_BASELINES, method_label
+
 MIB = 1024 ** 2
+GIB = 1024 ** 3
 
 
 def _num(value, fmt: str = "{:.2f}") -> str:
@@ -36,19 +39,20 @@ def _baseline(cells: list[dict], method: str, context: int, batch: int) -> dict 
 
 
 def label(row: dict) -> str:
-    """`method` for baselines, `method k=budget` for budgeted methods."""
-    return row["method"] if row.get("budget") is None else f"{row['method']} k={row['budget']}"
+    """`method` for baselines, `method k=budget` for budgeted methods (with the forced miss rate where set)."""
+    return method_label(row["method"], row.get("budget"), row.get("forced_miss_rate"))
 
 
 def cell_table(cells: list[dict]) -> str:
     """Markdown table, one line per cell; `×dense` / `×offl` are this row's decode tokens/s over the dense /
     offloaded row at the same context and batch, `dev/dense` its device bytes per request over dense's."""
-    head = ("| method | context | batch | prefill s | decode tok/s | ms/step | device MiB/req | CUDA peak MiB/req all / decode | "
-            "host MiB/req | copied MiB/step | overlap | hit rate | repaired | ×dense tok/s | ×offl tok/s | dev/dense bytes |")
+    head = ("| method | context | batch | TTFT s | decode tok/s | ms/step | device MiB/req | CUDA peak MiB/req all / decode | "
+            "host MiB/req | copied MiB/step | overlap | wait s | hit rate | repaired | ×dense tok/s | ×offl tok/s | "
+            "dev/dense bytes |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in cells:
         if row["error"] is not None:
-            lines.append(f"| {label(row)} | {row['context']} | {row['batch']} | error: {row['error']} |" + " |" * 12)
+            lines.append(f"| {label(row)} | {row['context']} | {row['batch']} | error: {row['error']} |" + " |" * 13)
             continue
         dense = _baseline(cells, "dense", row["context"], row["batch"])
         offl = _baseline(cells, "offloaded", row["context"], row["batch"])
@@ -60,7 +64,7 @@ def cell_table(cells: list[dict]) -> str:
             f"{_mib(row['device_bytes_per_request'])} | {_mib(row['cuda_peak_bytes_per_request'])} / "
             f"{_mib(row['cuda_decode_peak_bytes_per_request'])} | "
             f"{_mib(row['host_bytes_per_request'])} | {_mib(row['bytes_copied_per_step'])} | "
-            f"{_num(row['overlap_ratio'])} | {_num(row['spec_hit_rate'], '{:.0%}')} | "
+            f"{_num(row['overlap_ratio'])} | {_num(row['wait_seconds'])} | {_num(row['spec_hit_rate'], '{:.0%}')} | "
             f"{_num(row.get('repaired_fraction', math.nan), '{:.0%}')} | "
             f"{'—' if is_base or not dense else _num(_ratio(row['decode_tokens_per_s'], dense['decode_tokens_per_s']))} | "
             f"{'—' if is_base or not offl else _num(_ratio(row['decode_tokens_per_s'], offl['decode_tokens_per_s']))} | "
@@ -69,27 +73,49 @@ def cell_table(cells: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def concurrency_table(rows: list[dict]) -> str:
-    """Markdown table of max concurrency; `×best baseline` is this method's tokens/s at its max batch over the best
-    of dense and offloaded at theirs (same context)."""
+def max_batch_table(rows: list[dict]) -> str:
+    """Markdown table of each method's max batch and its throughput there; `×best baseline` is its decode tokens/s
+    over the best of dense, offloaded and Quest at theirs (same context), each at its own max batch."""
     if not rows:
         return ""
-    head = ("| method | context | max batch | limited by | tok/s at batch | measured at batch | device MiB/req | "
-            "×best baseline |")
+    head = ("| method | context | max batch | limited by | device / host limit (fit) | decode-only device limit | "
+            "decode tok/s at max batch | how | ms/step | TTFT s | device MiB/req | host MiB/req | ×best baseline |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
+
+    def bound(value) -> str:
+        if value is None:
+            return "—"
+        return "none" if isinstance(value, float) and math.isinf(value) else str(int(value))
+
     for row in rows:
         bases = [r["decode_tokens_per_s"] for r in rows if r["context"] == row["context"]
-                 and r["method"] in ("dense", "offloaded") and r["decode_tokens_per_s"] is not None
+                 and r["method"] in RATIO_BASELINES and r["decode_tokens_per_s"] is not None
                  and math.isfinite(r["decode_tokens_per_s"])]
         best = max(bases) if bases else float("nan")
-        is_base = row["method"] in ("dense", "offloaded")
-        name = row["method"] if row.get("budget") is None else f"{row['method']} k={row['budget']}"
+        predicted = row.get("predicted") or {}
         lines.append(
-            f"| {name} | {row['context']} | {row['max_batch']}{'+' if row.get('capped') else ''} | {row.get('limited_by', row['source'])} | "
-            f"{_num(row['decode_tokens_per_s'])} | {row['measured_at_batch'] if row['measured_at_batch'] else '—'} | "
-            f"{_mib(row['device_bytes_per_request'])} | {'—' if is_base else _num(_ratio(row['decode_tokens_per_s'], best))} |"
+            f"| {label(row)} | {row['context']} | {row['max_batch']} | {row['limited_by']} | "
+            f"{bound(predicted.get('device'))} / {bound(predicted.get('host'))} | "
+            f"{bound(predicted.get('device_decode'))} | {_num(row['decode_tokens_per_s'])} | {row['how']} | "
+            f"{_num(row['ms_per_step'], '{:.1f}')} | {_num(row['prefill_s'])} | "
+            f"{_mib(row['device_bytes_per_request'])} | {_mib(row['host_bytes_per_request'])} | "
+            f"{_num(_ratio(row['decode_tokens_per_s'], best))} |"
         )
     return "\n".join(lines)
+
+
+def limits_line(meta: dict) -> str:
+    """One sentence on the max-batch search's limits."""
+    limits = meta.get("limits") or {}
+    device = limits.get("device_bytes")
+    parts = [f"device cap {device / GIB:.1f} GiB" if device is not None else "no device cap",
+             f"host memory {limits.get('host_bytes', 0) / GIB:.1f} GiB"
+             + (" shared by weights, device tiers and host stores (the device is the host)" if limits.get("shared")
+                else " for the KV's host copies")]
+    seconds = meta.get("max_cell_seconds")
+    if seconds:
+        parts.append(f"runs predicted past {seconds:.0f} s extrapolated")
+    return "Max batch within " + ", ".join(parts) + ":"
 
 
 def render_markdown(result) -> str:
@@ -109,10 +135,8 @@ def render_markdown(result) -> str:
     ]
     for method, reason in (meta.get("skipped") or {}).items():
         parts.append(f"\nSkipped {method}: {reason}.")
-    if result.max_concurrency:
-        gib = meta.get("device_budget_gib")
-        parts += ["", f"Max concurrency within {gib} GiB of device memory:", "",
-                  concurrency_table(result.max_concurrency)]
+    if result.max_batch:
+        parts += ["", limits_line(meta), "", max_batch_table(result.max_batch)]
     return "\n".join(parts) + "\n"
 
 

@@ -308,6 +308,7 @@ def _kernels(interpret: bool) -> types.SimpleNamespace:
         clone.__qualname__ = fn.__qualname__
         clone.__module__ = fn.__module__
         clone.__doc__ = fn.__doc__
+        clone.__annotations__ = dict(fn.__annotations__)  # the tl.constexpr marks: FunctionType drops them
         if interpret:
             wrapped[name] = InterpretedFunction(clone)
         elif name == "_decode_kernel":

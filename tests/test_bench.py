@@ -1,5 +1,6 @@
-"""The throughput / memory benchmark harness (eval/bench.py): runs end to end on a tiny random model, produces every
-column, and its memory accounting matches hand computations. Timings are printed by the harness, never asserted."""
+"""The throughput / memory benchmark harness (eval/bench*.py): runs end to end on a tiny random model, produces every
+column, and its memory accounting matches hand computations. Timings are printed by the harness, never asserted.
+The max-batch search itself is tested with fake probes in test_bench_capacity.py."""
 
 from __future__ import annotations
 
@@ -11,6 +12,11 @@ import pytest
 import torch
 
 from dual_cache.eval import bench, bench_report, cpu_linear
+from dual_cache.eval.bench_accounting import cache_accounting
+from dual_cache.eval.bench_capacity import MemoryLimits
+from dual_cache.eval.bench_cell import COLUMNS
+from dual_cache.eval.bench_grid import BenchGrid
+from dual_cache.eval.bench_models import kv_bytes_estimate, llama31_8b_config, random_model, weight_bytes
 from tests.conftest import tiny_llama
 
 # tiny_llama: 3 layers, 4 query / 2 KV heads, hidden 64 → head_dim 16, float32
@@ -21,13 +27,14 @@ def quiet(_line: str) -> None:
     pass
 
 
-def small_grid(**changes) -> bench.BenchGrid:
+def small_grid(**changes) -> BenchGrid:
     values = dict(
-        methods=("all",), batches=(1, 2), contexts=(40, 72), budgets=(16,), new_tokens=5, warmup_steps=1,
-        n_sink=4, window=16, dual_options={"early_layers": 1, "early_layer_budget": 32},
+        methods=("all", "dual-no-repair", "dual-forced-miss"), batches=(1, 2), contexts=(40, 72), budgets=(16,),
+        new_tokens=5, warmup_steps=1, n_sink=4, window=16, dual_options={"early_layers": 1, "early_layer_budget": 32},
+        forced_miss_rate=0.5,
     )
     values.update(changes)
-    return bench.BenchGrid(**values)
+    return BenchGrid(**values)
 
 
 @pytest.fixture(scope="module")
@@ -40,41 +47,51 @@ def model():
 
 @pytest.fixture(scope="module")
 def result(model):
-    return bench.run_bench(model, None, small_grid(), device_budget_gib=0.01, model_name="tiny", log=quiet)
+    # host pool of 10 MiB shared with the device (CPU): each dual / quest request holds 3 MiB of host chunks
+    limits = MemoryLimits(device_bytes=2 ** 30, host_bytes=10 * 2 ** 20, shared=True)
+    return bench.run_bench(model, None, small_grid(), limits=limits, model_name="tiny", max_batch_cap=4, log=quiet)
 
 
 def test_end_to_end_every_column(result, tmp_path):
-    methods = {"dense", "dual-self", "dual-ngram", "dual-none", "dual-shortlist", "quest"}
+    methods = {"dense", "dual-self", "dual-ngram", "dual-none", "dual-shortlist", "quest", "dual-no-repair",
+               "dual-forced-miss"}
     assert {row["method"] for row in result.cells} == methods
-    assert len(result.cells) == len(methods) * 2 * 2  # × batches × contexts (one budget)
+    assert len(result.cells) >= len(methods) * 2 * 2  # × batches × contexts (one budget), then max-batch runs
     assert "offloaded" in result.meta["skipped"]  # CUDA only
     finite = ("prefill_s", "decode_tokens_per_s", "ms_per_step", "device_bytes_per_request",
               "host_bytes_per_request", "dense_equivalent_bytes_per_request", "bytes_copied_per_step")
     for row in result.cells:
-        assert set(bench.COLUMNS) <= set(row), set(bench.COLUMNS) - set(row)
+        assert set(COLUMNS) <= set(row), set(COLUMNS) - set(row)
         assert row["error"] is None
         for column in finite:
             assert math.isfinite(row[column]), (row["method"], column)
         assert row["decode_steps"] == 4  # new_tokens - 1 forwards after the prefill
         assert math.isnan(row["cuda_peak_bytes_per_request"])  # CPU
-        if row["method"] in ("dual-self", "dual-ngram", "dual-shortlist"):
+        if row["method"] in ("dual-self", "dual-ngram", "dual-shortlist", "dual-no-repair", "dual-forced-miss"):
             assert 0 <= row["spec_hit_rate"] <= 1
         if row["method"] in ("dense", "dual-none"):
             assert math.isnan(row["spec_hit_rate"])
-    assert result.max_concurrency and all(r["source"] == "computed" for r in result.max_concurrency)
-
+    assert {(r["method"], r["context"]) for r in result.max_batch} == {(m, c) for m in methods for c in (40, 72)}
+    for found in result.max_batch:
+        assert found["limited_by"] in ("host memory", "batch cap") and found["how"] == "measured"
+        if found["method"] == "dense":
+            assert found["max_batch"] == 4  # the cap: the tiny model's bytes are far below the limits
+        else:  # 4096-token host chunks: 3 MiB per request (the shortlist's channel-major copy: 4.5 MiB)
+            assert found["max_batch"] in (2, 3) and found["limited_by"] == "host memory"
     markdown = bench_report.render_markdown(result)
-    assert "×dense tok/s" in markdown and "×offl tok/s" in markdown and "Max concurrency" in markdown
+    assert "×dense tok/s" in markdown and "×offl tok/s" in markdown and "Max batch within" in markdown
+    assert "(50% missed)" in markdown and "×best baseline" in markdown
     assert "Skipped offloaded" in markdown
     paths = bench.write_result(result, str(tmp_path), log=quiet)
     for kind in ("cells", "summary", "table", "throughput_plot", "memory_plot"):
         assert os.path.getsize(paths[kind]) > 0, kind
     with open(paths["cells"], encoding="utf-8") as handle:
         rows = [json.loads(line) for line in handle]
-    assert len(rows) == len(result.cells) and set(bench.COLUMNS) <= set(rows[0])
+    assert len(rows) == len(result.cells) and set(COLUMNS) <= set(rows[0])
     with open(paths["summary"], encoding="utf-8") as handle:
         summary = json.load(handle)
-    assert summary["meta"]["weight_bytes"] == bench.weight_bytes(tiny_llama())
+    assert summary["meta"]["weight_bytes"] == weight_bytes(tiny_llama())
+    assert len(summary["max_batch"]) == len(result.max_batch)
 
 
 def test_dense_memory_matches_hand_computation(result):
@@ -88,7 +105,8 @@ def test_dense_memory_matches_hand_computation(result):
         assert row["host_bytes_per_request"] == 0 and row["bytes_copied_per_step"] == 0
 
 
-@pytest.mark.parametrize("method", ["dual-self", "dual-ngram", "dual-none", "quest"])
+@pytest.mark.parametrize("method", ["dual-self", "dual-ngram", "dual-none", "quest", "dual-no-repair",
+                                    "dual-forced-miss"])
 def test_dual_memory_matches_hand_computation(result, method):
     # grid: n_sink 4, window 16, budget 16, early_layers 1 with early_layer_budget 32, layers_in_flight 2 (default)
     n_sink, window, layers_in_flight, page = 4, 16, 2, 16
@@ -118,7 +136,7 @@ def test_dual_memory_matches_hand_computation(result, method):
         # between one row and the whole batch per repaired step
         repaired_steps = round(row["repaired_fraction"] * steps)
         repairing = [b for b in layer_budgets if row["context"] - window > b]
-        if method in ("dual-self", "dual-ngram"):
+        if method in ("dual-self", "dual-ngram", "dual-forced-miss"):
             assert repaired_steps >= 1
         else:
             assert repaired_steps == 0
@@ -137,53 +155,20 @@ def test_offloaded_accounting_on_a_dynamic_cache(model):
                          min_new_tokens=new, do_sample=False, return_dict_in_generate=True)
     cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
     layer = 2 * batch * KV_HEADS * (prompt + new - 1) * HEAD_DIM * ITEM
-    acct = bench.cache_accounting("offloaded", cache)
+    acct = cache_accounting("offloaded", cache)
     assert acct["device_bytes"] == 2 * layer  # the layer in use + the one being prefetched
     assert acct["host_bytes"] == LAYERS * layer == acct["dense_equivalent_bytes"]
     assert acct["bytes_copied_per_step_estimate"] == LAYERS * layer
-    assert bench.cache_accounting("dense", cache)["device_bytes"] == LAYERS * layer
-
-
-def test_max_concurrency_computed_by_hand():
-    grid = small_grid()
-    cells = []
-    for batch, tps in ((1, 10.0), (2, 15.0), (4, 22.0)):
-        row = bench.empty_row("dual-self", 1024, batch, 16, grid)
-        row.update(device_bytes_per_request=1000.0, decode_tokens_per_s=tps)
-        cells.append(row)
-    rows = bench.max_concurrency_computed(cells, weights=5000, budget_bytes=8500)
-    assert len(rows) == 1
-    assert rows[0]["max_batch"] == 3  # (8500 - 5000) // 1000
-    assert rows[0]["measured_at_batch"] == 2 and rows[0]["decode_tokens_per_s"] == 15.0
-    assert bench.max_concurrency_computed(cells, weights=9000, budget_bytes=8500)[0]["max_batch"] == 0
-
-
-@pytest.mark.parametrize("per_request, cap, expected", [(1000, 256, 37), (1000, 16, 16), (50_000, 256, 0)])
-def test_sweep_max_batch_finds_the_largest_fitting_batch(per_request, cap, expected):
-    grid = small_grid()
-    weights, budget = 3000, 3000 + 37 * 1000 + 500
-
-    def probe(batch):
-        row = bench.empty_row("dense", 1024, batch, None, grid)
-        row["cuda_peak_total_bytes"] = weights + per_request * batch
-        if batch > 100:  # never reached before the budget binds
-            row["error"] = "out of memory"
-        return row
-
-    max_batch, row, probes, limited_by = bench.sweep_max_batch(probe, budget, cap)
-    assert max_batch == expected
-    assert limited_by == ("cap" if cap == 16 else "device budget")
-    assert (row is None) == (expected == 0)
-    assert len(probes) <= 2 * math.ceil(math.log2(max(cap, 2))) + 2
+    assert cache_accounting("dense", cache)["device_bytes"] == LAYERS * layer
 
 
 def test_llama8b_shape_without_weights():
-    config = bench.llama31_8b_config()
+    config = llama31_8b_config()
     with torch.device("meta"):
-        meta_model = bench.random_model(config, torch.bfloat16, torch.device("meta"))
+        meta_model = random_model(config, torch.bfloat16, torch.device("meta"))
     assert 8.0e9 < sum(p.numel() for p in meta_model.parameters()) < 8.1e9
     # the issue's yardstick: dense KV of one 32K request in bf16 is 4 GiB
-    assert bench.kv_bytes_estimate(config, 1, 32768, torch.bfloat16) == 4 * 1024 ** 3
+    assert kv_bytes_estimate(config, 1, 32768, torch.bfloat16) == 4 * 1024 ** 3
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -197,6 +182,12 @@ def test_llama8b_shape_without_weights():
     (["--model", "llama8b", "--device", "cpu"], "llama8b"),
     (["--contexts", "64"], "128 tokens"),
     (["--device-budget-gib", "0"], "--device-budget-gib"),
+    (["--host-budget-gib", "-2"], "--host-budget-gib"),
+    (["--max-cell-seconds", "0"], "--max-cell-seconds"),
+    (["--methods", "dense", "dual-forced-miss"], "--forced-miss-rate"),
+    (["--methods", "dual-forced-miss", "--forced-miss-rate", "1.5"], "--forced-miss-rate"),
+    (["--methods", "dual-forced-miss", "--forced-miss-rate", "0.2", "--dual-options", '{"miss_repair": false}'],
+     "miss_repair"),
 ])
 def test_bad_grids_fail_before_any_model_loads(argv, message, monkeypatch, capsys):
     if "cuda" in argv and torch.cuda.is_available():
@@ -221,21 +212,6 @@ def test_cli_bench_subcommand_runs_on_the_tiny_model(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| dual-none k=16 | 40 | 1 |" in printed
     assert (out / "cells.jsonl").exists() and (out / "table.md").exists()
-
-
-def test_sweep_max_batch_reports_what_limits_it():
-    grid = small_grid()
-
-    def probe(batch, error):
-        row = bench.empty_row("dual-self", 1024, batch, 16, grid)
-        row["cuda_peak_total_bytes"] = 100 * batch
-        if batch > 20:
-            row["error"] = error
-        return row
-
-    for error, limit in (("out of memory: CUDA", "device out of memory"), ("host memory: the KV cache", "host memory")):
-        max_batch, row, _, limited_by = bench.sweep_max_batch(lambda b: probe(b, error), 10 ** 9, 256)
-        assert (max_batch, row["batch"], limited_by) == (20, 20, limit)
 
 
 @pytest.mark.parametrize("shape", [(1, 24), (2, 24), (1, 3, 24), (2, 4, 24), (9, 24)])
@@ -277,9 +253,26 @@ def test_gemm_linears_switch_every_linear_and_restore_on_error(model):
 def test_bench_with_gemm_linears_runs_and_says_so(model):
     grid = small_grid(methods=("dense", "dual-self"), batches=(1,), contexts=(40,), cpu_linear="gemm")
     result = bench.run_bench(model, None, grid, model_name="tiny", log=quiet)
-    assert all(row["error"] is None for row in result.cells)
+    assert all(row["error"] is None for row in result.cells) and not result.max_batch
     assert "--cpu-linear gemm" in bench_report.render_markdown(result)
     with pytest.raises(ValueError, match="cpu-linear"):
         small_grid(cpu_linear="fast").validate()
     with pytest.raises(ValueError, match="up to 64 rows"):
         small_grid(cpu_linear="gemm", batches=(1, 33)).validate()
+
+
+def test_keep_going_records_a_failed_cell_instead_of_raising(model, monkeypatch):
+    from dual_cache.eval.bench_cell import run_cell
+    from dual_cache.eval.bench_models import PromptSource
+
+    grid = small_grid(methods=("dense",), batches=(1,), contexts=(40,))
+    prompts = PromptSource(None, 96, model.device)
+
+    def broken(*args, **kwargs):
+        raise TypeError("this cache cannot prefill in chunks")
+
+    monkeypatch.setattr(model, "generate", broken)
+    row = run_cell(model, prompts, "dense", 40, 1, None, grid, keep_going=True)
+    assert row["error"] == "failed: TypeError: this cache cannot prefill in chunks"
+    with pytest.raises(TypeError):
+        run_cell(model, prompts, "dense", 40, 1, None, grid)

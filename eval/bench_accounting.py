@@ -1,0 +1,47 @@
+"""Byte and telemetry accounting of a finished `generate()`'s cache, per benchmark method (dense `DynamicCache`,
+transformers' offloaded cache, `DualDecoderCache`)."""
+
+from __future__ import annotations
+
+NAN = float("nan")
+
+
+def _layer_bytes(cache) -> list[int]:
+    out = []
+    for layer in getattr(cache, "layers", []):
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if getattr(layer, "is_initialized", False) and keys is not None and values is not None:
+            out.append(keys.nbytes + values.nbytes)
+    return out
+
+
+def cache_accounting(method: str, cache) -> dict[str, float]:
+    """Bytes of a finished `generate()`'s cache, for the whole batch.
+
+    Returns `device_bytes`, `host_bytes`, `dense_equivalent_bytes` (what a DynamicCache would hold),
+    `bytes_copied` (host→device in total, dual only; NaN where it is derived per step instead),
+    `bytes_copied_per_step_estimate` (offloaded only), and the dual telemetry (`overlap_ratio`, `wait_seconds`,
+    `steps`, `spec_hits`, `spec_steps`, `repaired_fraction`; NaN when the cache does not report them).
+    """
+    empty = {"overlap_ratio": NAN, "wait_seconds": NAN, "steps": NAN, "spec_hits": NAN, "spec_steps": NAN,
+             "repaired_fraction": NAN}
+    if method == "dense":
+        total = sum(_layer_bytes(cache))
+        return {"device_bytes": total, "host_bytes": 0, "dense_equivalent_bytes": total, "bytes_copied": 0, **empty}
+    if method == "offloaded":
+        layers = sorted(_layer_bytes(cache), reverse=True)
+        total = sum(layers)
+        return {
+            "device_bytes": sum(layers[:2]),  # the layer being used + the one being prefetched
+            "host_bytes": total, "dense_equivalent_bytes": total, "bytes_copied": NAN,
+            "bytes_copied_per_step_estimate": total, **empty,
+        }
+    stats = cache.stats()
+    return {
+        "device_bytes": stats["device_bytes"], "host_bytes": stats["host_bytes"],
+        "dense_equivalent_bytes": stats["dense_equivalent_bytes"], "bytes_copied": stats.get("bytes_copied", NAN),
+        "overlap_ratio": stats.get("overlap_ratio", NAN), "wait_seconds": stats.get("wait_seconds", NAN),
+        "steps": stats.get("steps", NAN), "spec_hits": stats.get("spec_hits", NAN),
+        "spec_steps": stats.get("spec_steps", NAN),
+        "repaired_fraction": stats["repaired_steps"] / stats["steps"] if stats.get("steps") else NAN,
+    }

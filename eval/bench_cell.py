@@ -1,0 +1,203 @@
+"""One benchmark cell: one `generate()` of `batch` prompts of `context` tokens, timed per step, its memory and the
+cache's telemetry as one row (keys `COLUMNS`; see `bench.py` for what each column means)."""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..cache import available_host_bytes
+from ..cli import TimingStreamer
+from .bench_accounting import cache_accounting
+from .bench_grid import BUDGETED, FORCED_MISS, BenchGrid
+from .bench_models import PromptSource, kv_bytes_estimate
+
+NAN = float("nan")
+GIB = 1024 ** 3
+
+# every key a cell row carries (tests check all of them are present)
+COLUMNS = (
+    "method", "model", "device", "dtype", "context", "batch", "budget", "new_tokens", "decode_steps",
+    "prefill_s", "decode_tokens_per_s", "ms_per_step",
+    "device_bytes_per_request", "cuda_peak_bytes_per_request", "cuda_decode_peak_bytes_per_request",
+    "cuda_peak_total_bytes", "cuda_decode_peak_total_bytes", "host_bytes_per_request",
+    "dense_equivalent_bytes_per_request", "bytes_copied_per_step", "overlap_ratio", "wait_seconds",
+    "spec_hit_rate", "repaired_fraction", "forced_miss_rate", "threads", "error",
+)
+
+
+@dataclass
+class StepTimer(TimingStreamer):
+    """`TimingStreamer` that also records when `generate()` hands over the prompt (`prompt_time`, seconds).
+
+    With `cuda_device` set, it records the peak allocated bytes up to the first generated token (`prefill_peak`)
+    and resets the peak counter there, so `torch.cuda.max_memory_allocated()` afterwards is the decode-phase peak.
+    """
+
+    prompt_time: float = NAN
+    cuda_device: torch.device | None = None
+    prefill_peak: int = 0
+
+    def put(self, value):
+        if not self._prompt_seen:
+            self.prompt_time = time.perf_counter()
+        elif not self.times and self.cuda_device is not None:
+            self.prefill_peak = torch.cuda.max_memory_allocated(self.cuda_device)
+            torch.cuda.reset_peak_memory_stats(self.cuda_device)
+        super().put(value)
+
+
+def is_oom(error: BaseException) -> bool:
+    """True for torch's out-of-memory errors (device allocations, incl. a `set_per_process_memory_fraction` cap)."""
+    oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    return (oom_type is not None and isinstance(error, oom_type)) or "out of memory" in str(error).lower()
+
+
+def _free_device(device: torch.device, collect: bool = True) -> None:
+    if collect:
+        gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def empty_row(method: str, context: int, batch: int, budget: int | None, grid: BenchGrid, **extra) -> dict:
+    """A row with every column, values NaN (filled by `run_cell`)."""
+    row = {c: NAN for c in COLUMNS}
+    row.update(
+        method=method, context=context, batch=batch, budget=budget, new_tokens=grid.new_tokens, error=None,
+        threads=torch.get_num_threads(),
+        forced_miss_rate=grid.forced_miss_rate if method == FORCED_MISS else NAN,
+    )
+    row.update(extra)
+    return row
+
+
+def _generate_kwargs(model, method: str, budget: int | None, grid: BenchGrid, prompt_len: int, new_tokens: int,
+                     host_limit_bytes: int | None) -> dict[str, Any]:
+    """`generate()` keyword arguments of a cell: the cache (by name, or a `ForcedMissCache` object) and sampling."""
+    kwargs: dict[str, Any] = {}
+    if method in BUDGETED:
+        config = grid.cache_config(method, budget)
+        if host_limit_bytes is not None:
+            config.setdefault("max_host_bytes", int(host_limit_bytes))
+        if method == FORCED_MISS:
+            from .forced_miss import ForcedMissCache
+
+            kwargs["cache"] = ForcedMissCache(model.config, max_cache_len=prompt_len + new_tokens + 1,
+                                              miss_rate=grid.forced_miss_rate, **config)
+        else:
+            kwargs.update(cache_implementation="dual", cache_config=config)
+    else:
+        if method == "offloaded":
+            kwargs["cache_implementation"] = "offloaded"
+        if prompt_len > grid.prefill_chunk_size:
+            kwargs["prefill_chunk_size"] = grid.prefill_chunk_size
+    if grid.do_sample:
+        kwargs.update(do_sample=True, temperature=1.0, top_k=0, top_p=None)
+        torch.manual_seed(0)
+    else:
+        kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+    return kwargs
+
+
+def run_cell(model, prompts: PromptSource, method: str, context: int, batch: int, budget: int | None,
+             grid: BenchGrid, new_tokens: int | None = None, model_name: str = "",
+             host_limit_bytes: int | None = None, keep_going: bool = False) -> dict:
+    """Run one `generate()` and return its row (keys `COLUMNS`); running out of device or host memory sets `error`
+    ("out of memory: ...", "host memory: ...") instead of raising.
+
+    Args:
+        new_tokens: overrides `grid.new_tokens`.
+        host_limit_bytes: host memory the cell's KV may use (bytes): a cell whose full KV would exceed it is not
+            run (`error` "host memory: ..."), and dual / quest caches get it as `max_host_bytes`. None: 85% of the
+            host memory available now.
+        keep_going: record any other exception as `error` "failed: ..." instead of raising.
+    """
+    import dual_cache  # noqa: F401  (registers cache_implementation="dual")
+
+    device = model.device
+    new_tokens = grid.new_tokens if new_tokens is None else new_tokens
+    row = empty_row(method, context, batch, budget, grid, model=model_name, device=device.type,
+                    dtype=str(model.dtype).removeprefix("torch."), new_tokens=new_tokens)
+    ids, mask = prompts.batch(batch, context)
+    row["context"] = ids.shape[1]
+
+    needs_host = method != "dense" or device.type == "cpu"
+    estimate = kv_bytes_estimate(model.config, batch, ids.shape[1] + new_tokens, model.dtype)
+    limit = host_limit_bytes if host_limit_bytes is not None else 0.85 * available_host_bytes()
+    if needs_host and estimate > limit:
+        row["error"] = (f"host memory: the KV cache needs ~{estimate / GIB:.1f} GiB, more than the "
+                        f"{limit / GIB:.1f} GiB allowed")
+        return row
+
+    cuda = device.type == "cuda"
+    _free_device(device, collect=cuda)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    timer = StepTimer(cuda_device=device if cuda else None)
+    out = cache = None
+    failed = None
+    kwargs: dict[str, Any] = {}
+    try:
+        kwargs = _generate_kwargs(model, method, budget, grid, ids.shape[1], new_tokens, host_limit_bytes)
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+            streamer=timer, return_dict_in_generate=True, **kwargs,
+        )
+        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        if cuda:
+            torch.cuda.synchronize(device)
+            decode_peak = torch.cuda.max_memory_allocated(device)
+            peak = max(decode_peak, timer.prefill_peak)
+            row["cuda_peak_total_bytes"] = peak
+            row["cuda_decode_peak_total_bytes"] = decode_peak
+            row["cuda_peak_bytes_per_request"] = (peak - base) / batch
+            row["cuda_decode_peak_bytes_per_request"] = (decode_peak - base) / batch
+        acct = cache_accounting(method, cache)
+    except MemoryError as error:  # dual_cache.HostMemoryError: the host stores would pass max_host_bytes
+        failed = f"host memory: {str(error).splitlines()[0][:200]}"
+    except Exception as error:  # noqa: BLE001  (out of memory is recorded; anything else is a bug ...)
+        if is_oom(error):
+            failed = f"out of memory: {str(error).splitlines()[0][:200]}"
+        elif keep_going:  # ... recorded only when asked, so one broken method does not end a long device run
+            failed = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+        else:
+            raise
+    del out, cache
+    kwargs.clear()  # an explicit cache object goes with the call's other references
+    _free_device(device)
+    if failed is not None:
+        row["error"] = failed
+        return row
+
+    times = timer.times
+    diffs = [b - a for a, b in zip(times, times[1:])]
+    timed = diffs[grid.warmup_steps:]
+    row["decode_steps"] = len(diffs)
+    row["prefill_s"] = times[0] - timer.prompt_time if times else NAN
+    if timed:
+        row["decode_tokens_per_s"] = batch * len(timed) / sum(timed)
+        row["ms_per_step"] = 1000 * statistics.median(timed)
+    steps = acct["steps"] if not math.isnan(acct["steps"]) else len(diffs)
+    if method == "offloaded":
+        copied = acct["bytes_copied_per_step_estimate"]
+    else:
+        copied = acct["bytes_copied"] / steps if steps else NAN
+    row.update(
+        device_bytes_per_request=acct["device_bytes"] / batch,
+        host_bytes_per_request=acct["host_bytes"] / batch,
+        dense_equivalent_bytes_per_request=acct["dense_equivalent_bytes"] / batch,
+        bytes_copied_per_step=copied,
+        overlap_ratio=acct["overlap_ratio"], wait_seconds=acct["wait_seconds"],
+        spec_hit_rate=(acct["spec_hits"] / acct["spec_steps"]) if acct["spec_steps"] else NAN,
+        repaired_fraction=acct["repaired_fraction"],
+    )
+    return row

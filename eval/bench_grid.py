@@ -1,0 +1,173 @@
+"""What the throughput benchmark measures: method names, the grid of cells, and each method's `cache_config`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..config import SPECULATORS, DualDecoderConfig
+from .cpu_linear import MAX_ROWS as CPU_GEMM_MAX_ROWS
+
+DUAL_METHODS = tuple(f"dual-{s}" for s in SPECULATORS)  # dual-self, dual-ngram, dual-none
+BASELINES = ("dense", "offloaded")
+SHORTLIST = "dual-shortlist"  # dual-self with the two-stage host selector (`selector="shortlist"`)
+NO_REPAIR = "dual-no-repair"  # dual-self with `miss_repair=False`: the pipeline alone
+FORCED_MISS = "dual-forced-miss"  # dual-self whose repairs follow a forced miss rate (eval/forced_miss.py)
+ALL_METHODS = BASELINES + DUAL_METHODS + (NO_REPAIR, FORCED_MISS, SHORTLIST, "quest")
+METHOD_ALIASES = {"dual": DUAL_METHODS, "all": BASELINES + DUAL_METHODS + (SHORTLIST, "quest")}
+BUDGETED = DUAL_METHODS + (NO_REPAIR, FORCED_MISS, SHORTLIST, "quest")  # cells vary with the retrieval budget
+RATIO_BASELINES = ("dense", "offloaded", "quest")  # what "the best baseline" of the max-batch table ranges over
+CPU_LINEARS = ("stock", "gemm")  # see eval/cpu_linear.py
+
+
+@dataclass
+class BenchGrid:
+    """What to measure. Token counts are tokens; `budgets` are tokens per KV head per full-attention layer.
+
+    Attributes:
+        methods: names from `ALL_METHODS`, run in the order given, or the aliases `"dual"` (every speculator) and
+            `"all"`. `dual-<speculator>`: that speculator with the default selector (`DualDecoderConfig().selector`)
+            and the default miss repair; `dual-no-repair`: `dual-self` with `miss_repair=False`;
+            `dual-forced-miss`: `dual-self` whose miss repairs hit a `forced_miss_rate` fraction of the live
+            sequences each step (benchmark only, `eval/forced_miss.py`); `dual-shortlist`: `dual-self` with
+            `selector="shortlist"`; `quest`: the Quest baseline.
+        batches: sequences per `generate()` call.
+        contexts: prompt lengths (tokens; the embedded model's needle prompts meet them within a few tokens).
+        budgets: dual / quest retrieval budgets; dense and offloaded cells ignore them.
+        new_tokens: generated tokens per sequence (every one is generated: `min_new_tokens = new_tokens`).
+        warmup_steps: decode steps excluded from tokens/s and ms/step.
+        n_sink, window: dual resident tiers (tokens).
+        prefill_chunk_size: prompt tokens per prefill forward, used by every method (fair activation memory).
+        quest_block_size: page size of the Quest baseline (tokens).
+        do_sample: sample at temperature 1 instead of greedy decoding (speculation hits drop).
+        dual_options: further `DualDecoderConfig` fields for dual / quest cells (e.g. `{"early_layers": 0}`);
+            `speculator`, `selector` and `budget` are set by the method and may not appear here.
+        forced_miss_rate: fraction in [0, 1] of live sequences `dual-forced-miss` repairs per step.
+        cpu_linear: `"gemm"` routes every method's few-row linears through `eval/cpu_linear.py` (CPU only).
+    """
+
+    methods: tuple[str, ...] = ("dense", "dual-self")
+    batches: tuple[int, ...] = (1,)
+    contexts: tuple[int, ...] = (2048,)
+    budgets: tuple[int, ...] = (256,)
+    new_tokens: int = 32
+    warmup_steps: int = 2
+    n_sink: int = 4
+    window: int = 64
+    prefill_chunk_size: int = 8192
+    quest_block_size: int = 16
+    do_sample: bool = False
+    dual_options: dict[str, Any] = field(default_factory=dict)
+    forced_miss_rate: float | None = None
+    cpu_linear: str = "stock"
+
+    def expanded_methods(self) -> tuple[str, ...]:
+        """Methods with aliases expanded, in the order given, without duplicates."""
+        out: list[str] = []
+        for name in self.methods:
+            for method in METHOD_ALIASES.get(name, (name,)):
+                if method not in out:
+                    out.append(method)
+        return tuple(out)
+
+    def validate(self) -> None:
+        """Check the grid before any model loads.
+
+        Raises:
+            ValueError: naming the offending option and what to change.
+        """
+        if not self.methods:
+            raise ValueError("--methods is empty; name at least one of " + ", ".join(ALL_METHODS + ("dual", "all")))
+        unknown = [m for m in self.methods if m not in ALL_METHODS and m not in METHOD_ALIASES]
+        if unknown:
+            raise ValueError(f"unknown method(s) {unknown}; choose from {list(ALL_METHODS)} or the aliases dual, all.")
+        for name, values, minimum in (
+            ("batches", self.batches, 1), ("contexts", self.contexts, 1), ("budgets", self.budgets, 0),
+        ):
+            if not values:
+                raise ValueError(f"--{name} is empty; give at least one value.")
+            bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < minimum]
+            if bad:
+                raise ValueError(f"--{name} values must be integers >= {minimum}; got {bad}.")
+        if self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}.")
+        if self.cpu_linear not in CPU_LINEARS:
+            raise ValueError(f"--cpu-linear must be one of {CPU_LINEARS}, got {self.cpu_linear!r}.")
+        if self.cpu_linear == "gemm" and 2 * max(self.batches, default=0) > CPU_GEMM_MAX_ROWS:
+            raise ValueError(
+                f"--cpu-linear gemm covers decode forwards of up to {CPU_GEMM_MAX_ROWS} rows (batch × 2 tokens); "
+                f"--batches goes to {max(self.batches)}. Use smaller batches or --cpu-linear stock."
+            )
+        if self.new_tokens < self.warmup_steps + 3:
+            raise ValueError(
+                f"--new-tokens={self.new_tokens} leaves fewer than 2 timed decode steps after "
+                f"--warmup-steps={self.warmup_steps}; use --new-tokens >= {self.warmup_steps + 3}."
+            )
+        clash = sorted({"speculator", "selector", "budget"} & set(self.dual_options))
+        if clash:
+            raise ValueError(f"--dual-options may not set {clash}: choose them with --methods / --budgets.")
+        methods = self.expanded_methods()
+        if FORCED_MISS in methods:
+            rate = self.forced_miss_rate
+            if rate is None or isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
+                raise ValueError(f"method {FORCED_MISS} needs --forced-miss-rate in [0, 1], got {rate!r}.")
+            if self.dual_options.get("miss_repair") is False:
+                raise ValueError(f"method {FORCED_MISS} forces miss repairs; drop miss_repair from --dual-options.")
+        for method in methods:
+            if method in BUDGETED:
+                for budget in self.budgets:
+                    try:
+                        DualDecoderConfig.from_dict(self.cache_config(method, budget))
+                    except ValueError as error:
+                        raise ValueError(f"method {method} with budget {budget}: {error}") from None
+
+    def cache_config(self, method: str, budget: int) -> dict[str, Any]:
+        """The `cache_config` dict of a dual / quest cell."""
+        config: dict[str, Any] = {
+            "n_sink": self.n_sink, "window": self.window, "prefill_chunk_size": self.prefill_chunk_size,
+            **self.dual_options, "budget": budget,
+        }
+        if method == "quest":  # Quest decodes one token per step and selects with its own query
+            config.update(selector="quest", block_size=self.quest_block_size, speculator="none")
+        elif method == SHORTLIST:
+            config.update(selector="shortlist", speculator="self")
+        elif method == NO_REPAIR:
+            config.update(speculator="self", miss_repair=False)
+        elif method == FORCED_MISS:
+            config.update(speculator="self", miss_repair=True)
+        else:
+            config["speculator"] = method.removeprefix("dual-")
+        return config
+
+    def budgets_of(self, method: str) -> tuple[int | None, ...]:
+        """The budgets a method's cells run at: the grid's for budgeted methods, `(None,)` for baselines."""
+        return self.budgets if method in BUDGETED else (None,)
+
+    def cells(self, skip: set[str] = frozenset()) -> list[tuple[str, int, int, int | None]]:
+        """`(method, context, batch, budget)` of every cell, contexts outermost; budget None for baselines."""
+        return [(method, context, batch, budget)
+                for context in self.contexts for batch in self.batches
+                for method in self.expanded_methods() if method not in skip
+                for budget in self.budgets_of(method)]
+
+
+def skipped_methods(grid: BenchGrid, device: torch.device) -> dict[str, str]:
+    """`{method: reason}` for methods of the grid that cannot run here (printed, never an error)."""
+    skip = {}
+    if "offloaded" in grid.expanded_methods() and device.type != "cuda":
+        skip["offloaded"] = (
+            "transformers' offloaded cache needs CUDA (it prefetches layers on a CUDA stream); skipped on "
+            f"{device.type}"
+        )
+    return skip
+
+
+def method_label(method: str, budget: int | None, forced_miss_rate: float | None = None) -> str:
+    """`method` for baselines, `method k=budget` for budgeted methods, plus the forced miss rate where set."""
+    name = method if budget is None else f"{method} k={budget}"
+    if method == FORCED_MISS and forced_miss_rate is not None and math.isfinite(forced_miss_rate):
+        name += f" ({forced_miss_rate:.0%} missed)"
+    return name
