@@ -139,11 +139,11 @@ class DualDecoderCache(Cache):
         kv_heads, head_dim = kv_heads or self.kv_heads, head_dim or self.head_dim
         capacity = planned_capacity(prompt_tokens, tokens, self.dual_config.host_chunk_tokens)
         store = HostKVStore.chunk_nbytes(batch_size, kv_heads, head_dim, dtype, capacity)
-        selector = SELECTORS[self.dual_config.selector].host_bytes_per_token(
-            self.dual_config, kv_heads, head_dim, torch.empty((), dtype=dtype).element_size()
+        selector = SELECTORS[self.dual_config.selector].host_bytes_for(
+            self.dual_config, capacity, kv_heads, head_dim, torch.empty((), dtype=dtype).element_size()
         )
         retrieving = sum(1 for layer in self.dual_layers if layer.budget > 0)
-        return len(self.dual_layers) * store + int(retrieving * batch_size * capacity * selector)
+        return len(self.dual_layers) * store + retrieving * batch_size * selector
 
     # --- one request -----------------------------------------------------------------------------------------
     def begin_request(self, batch_size: int, tokens: int, dtype: torch.dtype, device: torch.device,
@@ -224,8 +224,10 @@ class DualDecoderCache(Cache):
             record_timeline=self.dual_config.record_timeline,
         )
 
+    @torch.compiler.disable
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Store `(B, H_kv, q, D)` new keys/values of `layer_idx` (transformers `Cache.update` contract)."""
+        """Store `(B, H_kv, q, D)` new keys/values of `layer_idx` (transformers `Cache.update` contract). Runs
+        eagerly under `torch.compile` (a graph break: the host store is not traceable)."""
         if isinstance(self.layers[layer_idx], DualLayer) and self.schedule is None:
             raise RuntimeError(
                 "DualDecoderCache stores tokens only during generate(): pass it to model.generate(..., cache=cache)."

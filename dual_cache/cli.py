@@ -5,47 +5,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from dataclasses import dataclass, field
 
 import torch
-from transformers.generation.streamers import BaseStreamer
 
-from .config import DualDecoderConfig
-
-
-@dataclass
-class TimingStreamer(BaseStreamer):
-    """Records when each generated token arrives (seconds, `time.perf_counter`) and forwards to `inner`."""
-
-    inner: BaseStreamer | None = None
-    times: list[float] = field(default_factory=list)
-    _prompt_seen: bool = False
-
-    def put(self, value):
-        if self._prompt_seen:
-            self.times.append(time.perf_counter())
-        self._prompt_seen = True
-        if self.inner is not None:
-            self.inner.put(value)
-
-    def end(self):
-        if self.inner is not None:
-            self.inner.end()
-
-    def decode_tokens_per_second(self) -> float:
-        """Tokens per second after the first generated token (prefill excluded); nan with < 2 tokens."""
-        if len(self.times) < 2:
-            return float("nan")
-        return (len(self.times) - 1) / (self.times[-1] - self.times[0])
-
-
-def _human(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
-            return f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes:.1f} GiB"
+from .config import SELECTORS, DualDecoderConfig
+from .host_memory import format_bytes
+from .timing import TimingStreamer
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -111,8 +76,8 @@ def stats_line(info: dict) -> str:
     ratio = info["device_bytes"] / max(info["dense_equivalent_bytes"], 1)
     return (
         f"decode {info['tokens_per_s']:.2f} tokens/s | speculation hit rate {hit} | device "
-        f"{_human(info['device_bytes'])} vs dense cache {_human(info['dense_equivalent_bytes'])} ({ratio:.1%}) "
-        f"| host {_human(info['host_bytes'])} "
+        f"{format_bytes(info['device_bytes'])} vs dense cache {format_bytes(info['dense_equivalent_bytes'])} ({ratio:.1%}) "
+        f"| host {format_bytes(info['host_bytes'])} "
         f"| repaired steps {info.get('repaired_steps', 0)}/{info.get('steps', 0)} "
         f"(drift repairs {info.get('drift_repairs', 0)})"
     )
@@ -191,9 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--n-sink", type=int, default=4, help="sink tokens kept on the device")
         p.add_argument("--window", type=int, default=64, help="local window kept on the device (tokens)")
         p.add_argument("--speculator", default="self", choices=["self", "ngram", "none"])
-        p.add_argument("--selector", default="exact", choices=["exact", "shortlist"],
-                       help="host selection: exact top-k over every key, or exact top-k among positions shortlisted "
-                            "by a few key channels (long contexts)")
+        p.add_argument("--selector", default=DualDecoderConfig().selector, choices=list(SELECTORS),
+                       help="host selection (dual_cache/selectors/): clusters (the host index), exact top-k over every "
+                            "key, block, shortlist, oracle, quest")
         p.add_argument("--shortlist-channels", type=int, default=None,
                        help="shortlist: query channels scored per KV head (default head_dim / 8)")
         p.add_argument("--shortlist-factor", type=int, default=8,

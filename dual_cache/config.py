@@ -30,8 +30,7 @@ class DualDecoderConfig:
         block_size: retrieval granularity in tokens; 1 is token-level top-k, >1 scores and retrieves whole
             contiguous blocks (`selector="block"`) or is the page size of `selector="quest"`.
         early_layers: the first `early_layers` layers retrieve `max(budget, early_layer_budget)` entries: they are
-            far less sparse (DESIGN.md §2: top-256 holds ~50% of the attention mass in layer 0 of the embedded
-            model vs ~95% from layer 3 on). 0 disables.
+            far less sparse than the later ones (DESIGN.md §2). 0 disables.
         early_layer_budget: budget of those early layers (tokens per KV head).
         layer_budgets: per-layer override `{layer_idx: budget}`, taking precedence over everything else.
         layers_in_flight: device slots of the layer-scoped selection buffer pool; device bytes for retrieved
@@ -56,15 +55,14 @@ class DualDecoderConfig:
             `repair_drift` in any KV head. The two queries belong to the same token at the same position but
             were computed over different selections in the layers below, and on copying steps (a needle's
             digits) they can point at different entries. None disables; 0 repairs every step (with
-            `selector="exact"`, the `"oracle"` selection). Measured on the embedded model's 4K word needles
-            (budget 256, results/needle/): 0.4 redoes 1.0% of the hit (step, layer) pairs and answers 13/16 like
-            dense, vs 12/16 without it; on 16 other prompts it changes no answer. On CUDA each check reads a
-            `(B,)` flag back to the host per layer (a synchronization point).
+            `selector="exact"`, the `"oracle"` selection). The default and what it costs are measured in
+            results/needle/ (README). On CUDA each check reads a `(B,)` flag back to the host per layer (a
+            synchronization point).
         selector: how each step's entries are chosen (`dual_cache.selectors`, one class per value):
             `"clusters"` a host-side index of balanced key clusters, exact top-k among the best clusters' keys
             (reads a small fraction of the keys; `selectors/clusters.py`); `"exact"` top-k over every host key
             (the reference); `"block"` block-level top-k; `"shortlist"` exact top-k among positions shortlisted
-            by a few key channels (SparQ-style; a channel-major key copy, +50% host bytes); `"oracle"` the real
+            by a few key channels (SparQ-style; a channel-major copy of the keys on the host); `"oracle"` the real
             token's own exact top-k, synchronously at the step that uses it (evaluation upper bound only);
             `"quest"` the Quest baseline (Tang et al., 2024): pages of `block_size` tokens ranked by a min/max
             key bound against the real token's query at the step that uses it; its page metadata counts as
@@ -114,7 +112,7 @@ class DualDecoderConfig:
     speculator: str = "self"
     miss_repair: bool = True
     repair_drift: float | None = 0.4
-    selector: str = "exact"
+    selector: str = "clusters"
     shortlist_channels: int | None = None
     shortlist_factor: int = 8
     cluster_size: int = 16

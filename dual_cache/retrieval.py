@@ -16,11 +16,10 @@ def _logits(query: torch.Tensor, keys: Keys) -> torch.Tensor:
     """`(B, H_kv, G, n)` float32 query·key products, keys given whole or as chunks along the position axis.
 
     Each chunk's product is written into its slice of one float32 tensor (`torch.cat` of bf16 parts followed by
-    `.float()` measured ~10× slower on CPU for 16M products). A chunk of batch 1 with several queries holds keys
+    `.float()` is several times slower on CPU). A chunk of batch 1 with several queries holds keys
     the sequences share (`HostKVStore.share`): all their queries are multiplied in one product. A chunk that is a
     prefix view of a larger store chunk (its batch stride is not that of a contiguous tensor) is multiplied one
-    `(sequence, KV head)` matrix at a time: a batched product of such a view copies the whole view first on CPU
-    (measured ~9× slower)."""
+    `(sequence, KV head)` matrix at a time: a batched product of such a view copies the whole view first on CPU."""
     chunks = [keys] if isinstance(keys, torch.Tensor) else list(keys)
     batch, q_heads, dim = query.shape
     kv_heads = chunks[0].shape[1]

@@ -10,6 +10,12 @@ import torch
 
 from ..config import SPECULATORS, DualDecoderConfig
 from .cpu_linear import MAX_ROWS as CPU_GEMM_MAX_ROWS
+from .methods import CACHE_CONFIGS
+
+
+def registered_config(method: str) -> dict[str, Any]:
+    """The registry's `cache_config` fragment of a dual / quest method (`eval/methods.py`)."""
+    return dict(CACHE_CONFIGS[method])
 
 DUAL_METHODS = tuple(f"dual-{s}" for s in SPECULATORS)  # dual-self, dual-ngram, dual-none
 BASELINES = ("dense", "offloaded")
@@ -130,16 +136,9 @@ class BenchGrid:
             "n_sink": self.n_sink, "window": self.window, "prefill_chunk_size": self.prefill_chunk_size,
             **self.dual_options, "budget": budget,
         }
-        if method == "quest":  # Quest decodes one token per step and selects with its own query
-            config.update(selector="quest", block_size=self.quest_block_size, speculator="none")
-        elif method == SHORTLIST:
-            config.update(selector="shortlist", speculator="self")
-        elif method == NO_REPAIR:
-            config.update(speculator="self", miss_repair=False)
-        elif method == FORCED_MISS:
-            config.update(speculator="self", miss_repair=True)
-        else:
-            config["speculator"] = method.removeprefix("dual-")
+        config.update(registered_config(method))  # eval/methods.py: one registry for every tool
+        if method == "quest":
+            config["block_size"] = self.quest_block_size
         return config
 
     def budgets_of(self, method: str) -> tuple[int | None, ...]:

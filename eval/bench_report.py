@@ -8,6 +8,7 @@ import os
 from typing import Callable
 
 from .bench_grid import RATIO_BASELINES, method_label
+from .outputs import mib
 
 MIB = 1024 ** 2
 GIB = 1024 ** 3
@@ -19,10 +20,6 @@ def _num(value, fmt: str = "{:.2f}") -> str:
     return fmt.format(value)
 
 
-def _mib(value) -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "—"
-    return f"{value / MIB:.3g}"
 
 
 def _ratio(a, b) -> float:
@@ -61,9 +58,9 @@ def cell_table(cells: list[dict]) -> str:
         lines.append(
             f"| {label(row)} | {row['context']} | {row['batch']} | {_num(row['prefill_s'])} | "
             f"{_num(row['decode_tokens_per_s'])} | {_num(row['ms_per_step'], '{:.1f}')} | "
-            f"{_mib(row['device_bytes_per_request'])} | {_mib(row['cuda_peak_bytes_per_request'])} / "
-            f"{_mib(row['cuda_decode_peak_bytes_per_request'])} | "
-            f"{_mib(row['host_bytes_per_request'])} | {_mib(row['bytes_copied_per_step'])} | "
+            f"{mib(row['device_bytes_per_request'])} | {mib(row['cuda_peak_bytes_per_request'])} / "
+            f"{mib(row['cuda_decode_peak_bytes_per_request'])} | "
+            f"{mib(row['host_bytes_per_request'])} | {mib(row['bytes_copied_per_step'])} | "
             f"{_num(row['overlap_ratio'])} | {_num(row['wait_seconds'])} | {_num(row['spec_hit_rate'], '{:.0%}')} | "
             f"{_num(row.get('repaired_fraction', math.nan), '{:.0%}')} | "
             f"{'—' if is_base or not dense else _num(_ratio(row['decode_tokens_per_s'], dense['decode_tokens_per_s']))} | "
@@ -98,7 +95,7 @@ def max_batch_table(rows: list[dict]) -> str:
             f"{bound(predicted.get('device'))} / {bound(predicted.get('host'))} | "
             f"{bound(predicted.get('device_decode'))} | {_num(row['decode_tokens_per_s'])} | {row['how']} | "
             f"{_num(row['ms_per_step'], '{:.1f}')} | {_num(row['prefill_s'])} | "
-            f"{_mib(row['device_bytes_per_request'])} | {_mib(row['host_bytes_per_request'])} | "
+            f"{mib(row['device_bytes_per_request'])} | {mib(row['host_bytes_per_request'])} | "
             f"{_num(_ratio(row['decode_tokens_per_s'], best))} |"
         )
     return "\n".join(lines)

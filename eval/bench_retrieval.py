@@ -10,7 +10,8 @@ query / 8 KV heads of 128, bf16), each with its own selector (`dual_cache.select
 to every store, then runs every layer's retrieval job — the selector's choice for a random query among the positions
 past the sink and before the local window, then the gather of the chosen K/V into a staging buffer — on a pool of
 `--pools` threads (1: one thread at torch's intra-op thread count; N > 1: N threads of one intra-op thread each, as
-`TransferSchedule` runs them). Distinct layers keep each selector's index out of the CPU caches as in decoding;
+`TransferSchedule` runs them). With `--shared-prefix`, the batch continues one stored sequence of `context` tokens
+(`HostKVStore.share`): every query is scored against the shared keys or index in one product. Distinct layers keep each selector's index out of the CPU caches as in decoding;
 the step time is scaled to `--layers` layers.
 
 Per row: `ms_per_step` (median over `--repeats`, after one warm-up), `ms_per_layer`, `key_mib_read_per_step` (key
@@ -74,14 +75,19 @@ def measure(context: int, batch: int, selector_name: str, pool: int, args: argpa
     dtype = DTYPES[args.dtype]
     config = DualDecoderConfig(selector=selector_name, **args.options)
     steps = args.repeats + 1
-    stores = [_store(batch, args.kv_heads, args.head_dim, context, context + steps, dtype, seed=context + layer)
+    stored = 1 if args.shared_prefix else batch  # a shared prefix: one sequence's keys, continued by the batch
+    stores = [_store(stored, args.kv_heads, args.head_dim, context, context + steps, dtype, seed=context + layer)
               for layer in range(args.distinct_layers)]
-    first_real = torch.zeros(batch, dtype=torch.long)
     selectors = [SELECTORS[selector_name](config, args.budget, store, "cpu") for store in stores]
     start = time.perf_counter()
     for selector in selectors:
-        selector.extend(context, first_real)
+        selector.extend(context, torch.zeros(stored, dtype=torch.long))
     build = time.perf_counter() - start
+    if args.shared_prefix:
+        for store, selector in zip(stores, selectors):
+            store.share(batch)
+            selector.share()
+    first_real = torch.zeros(batch, dtype=torch.long)
     query = torch.randn(batch, args.heads, args.head_dim, generator=torch.Generator().manual_seed(batch))
     staging = [[torch.empty(batch, args.kv_heads, args.budget, args.head_dim, dtype=dtype) for _ in range(2)]
                for _ in stores]
@@ -118,8 +124,8 @@ def measure(context: int, batch: int, selector_name: str, pool: int, args: argpa
         "ms_per_step": per_step * 1e3, "ms_per_layer": per_step * 1e3 / args.layers,
         "key_mib_read_per_step": read * args.layers / 2**20,
         "index_host_bytes": index_bytes, "index_fraction": index_bytes / stores[0].nbytes,
-        "build_ms_per_1k_tokens": build * 1e3 / len(stores) / batch / (context / 1000),
-        "budget": args.budget, "dtype": args.dtype, "options": args.options,
+        "build_ms_per_1k_tokens": build * 1e3 / len(stores) / stored / (context / 1000),
+        "budget": args.budget, "dtype": args.dtype, "options": args.options, "shared_prefix": args.shared_prefix,
     }
     for selector, store in zip(selectors, stores):
         selector.free()
@@ -137,7 +143,8 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
     lines = [
         f"Host retrieval per decode step on this CPU: shape {args.heads} query / {args.kv_heads} KV heads × "
         f"{args.head_dim}, {args.layers} layers ({args.distinct_layers} distinct, scaled), {args.dtype}, budget "
-        f"{args.budget}; options {json.dumps(args.options)}. pool = retrieval threads (1: one thread at "
+        f"{args.budget}; options {json.dumps(args.options)}"
+        f"{'; the batch shares one stored prefix of `context` tokens' if args.shared_prefix else ''}. pool = retrieval threads (1: one thread at "
         f"{rows[0]['torch_threads'] if rows[0]['pool'] == 1 else 'torch default'} intra-op threads; N > 1: one "
         "intra-op thread each).", "",
         "| context | batch | selector | pool | ms/layer | ms/step | key MiB read/step | index / KV | build ms per 1K "
@@ -184,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=10, help="timed steps per cell (after one warm-up)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (pool 1)")
+    parser.add_argument("--shared-prefix", action="store_true",
+                        help="the batch continues one stored sequence of `context` tokens (kept once; every query is "
+                             "scored against it in one product)")
     parser.add_argument("--out", default=None, help="output path without extension (writes .json and .md)")
     args = parser.parse_args(argv)
     problems = [f"--{name.replace('_', '-')} must be >= 1" for name in

@@ -8,7 +8,8 @@
 | `dual-none` | b | `{"budget": b, "speculator": "none"}`: the previous real token's selection (what speculation buys) |
 | `oracle` | b | `{"budget": b, "selector": "oracle"}`: the real token's own top-k (upper bound) |
 | `streaming` | 0 | `{"budget": 0, "early_layers": 0, "speculator": "none"}`: StreamingLLM-style sink + window only |
-| `quest` | b | `{"budget": b, "selector": "quest", "block_size": 16}`: Quest-style pages ranked by min/max key bounds |
+| `dual-clusters` / `dual-exact` | b | `dual` with the host index (at any context length) / exact top-k over every key |
+| `quest` | b | `{"budget": b, "selector": "quest", "block_size": 16, "speculator": "none"}`: Quest-style pages ranked by min/max key bounds |
 
 Budgets are reported as given (`budget`), although the dual configurations' first two layers retrieve
 `max(budget, 1024)` tokens (`early_layers=2`, `early_layer_budget=1024`, the library default).
@@ -19,7 +20,45 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-METHOD_NAMES = ("dense", "dual", "dual-no-repair", "dual-none", "oracle", "streaming", "quest")
+# The one registry of compared methods (evaluation harness, throughput benchmark, needle sweep): each name's
+# `cache_config` for `generate(cache_implementation="dual")` before its budget is added; None for transformers' own
+# caches. Each tool runs the subset it supports.
+CACHE_CONFIGS: dict[str, dict[str, Any] | None] = {
+    "dense": None,  # transformers' default DynamicCache
+    "offloaded": None,  # transformers' cache_implementation="offloaded" (CUDA; throughput benchmark)
+    "dual": {"miss_repair": True},  # the library defaults
+    "dual-self": {"speculator": "self"},
+    "dual-ngram": {"speculator": "ngram"},
+    "dual-none": {"speculator": "none"},  # the previous real token's selection: what speculation buys
+    "dual-no-repair": {"miss_repair": False},  # speculated-token selection only (the paper's method)
+    "dual-no-drift": {"repair_drift": None},
+    "dual-forced-miss": {"speculator": "self", "miss_repair": True},  # with eval.forced_miss (benchmark only)
+    "dual-exact": {"selector": "exact"},
+    "dual-clusters": {"selector": "clusters", "cluster_min_context": 0},  # the host index at any context length
+    "dual-shortlist": {"selector": "shortlist"},
+    "oracle": {"selector": "oracle"},  # the real token's own top-k: upper bound
+    "streaming": {"budget": 0, "early_layers": 0, "speculator": "none"},  # sink + window only
+    "quest": {"selector": "quest", "block_size": 16, "speculator": "none"},  # one token per step, own query
+}
+
+
+def cache_config(name: str, budget: int | None = None) -> dict[str, Any] | None:
+    """`CACHE_CONFIGS[name]` with `budget` added (when given and the method has none of its own); None for
+    transformers' caches.
+
+    Raises:
+        ValueError: for a name that is not in the registry.
+    """
+    if name not in CACHE_CONFIGS:
+        raise ValueError(f"unknown method {name!r}; choose from {list(CACHE_CONFIGS)}.")
+    config = CACHE_CONFIGS[name]
+    if config is None:
+        return None
+    return {"budget": budget, **config} if budget is not None and "budget" not in config else dict(config)
+
+
+METHOD_NAMES = ("dense", "dual", "dual-no-repair", "dual-none", "dual-clusters", "dual-exact", "oracle", "streaming",
+                "quest")  # what the evaluation harness runs
 
 
 @dataclass(frozen=True)
@@ -71,19 +110,11 @@ def make_method(name: str, budget: int | None = None) -> Method:
     if name == "dense":
         return Method("dense", None, None)
     if name == "streaming":
-        config = {"budget": 0, "early_layers": 0, "speculator": "none"}
+        config = cache_config(name)
         return Method("streaming", 0, config, _check(config))
     if budget is None or isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(f"method {name!r} needs a positive integer budget, got {budget!r}.")
-    config: dict[str, Any] = {"budget": budget}
-    if name in ("dual", "dual-no-repair"):
-        config["miss_repair"] = name == "dual"
-    elif name == "dual-none":
-        config["speculator"] = "none"
-    elif name == "oracle":
-        config["selector"] = "oracle"
-    elif name == "quest":
-        config.update(selector="quest", block_size=16)
+    config = cache_config(name, budget)
     return Method(name, budget, config, _check(config))
 
 

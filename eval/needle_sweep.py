@@ -18,20 +18,12 @@ import sys
 import torch
 
 from ..models import model_display_name
+from .methods import cache_config
 from .needle import format_chat, make_needle_prompt
 from .outputs import write_rows_and_table
 
-METHODS = {
-    "dense": None,
-    "dual": {},
-    "dual-no-drift": {"repair_drift": None},
-    "dual-no-repair": {"miss_repair": False},
-    "dual-none": {"speculator": "none"},
-    "dual-exact": {"selector": "exact"},
-    "dual-clusters": {"selector": "clusters"},
-    "dual-shortlist": {"selector": "shortlist"},
-    "oracle": {"selector": "oracle"},
-}
+METHODS = ("dense", "dual", "dual-no-drift", "dual-no-repair", "dual-none", "dual-exact", "dual-clusters",
+           "dual-shortlist", "oracle")  # names of eval/methods.py's registry
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -81,9 +73,9 @@ def run(model, tokenizer, tokens: int, seeds: list[int], budget: int, methods: l
         ids = torch.tensor([format_chat(tokenizer, prompt.text)])
         row = {"seed": seed, "answer": prompt.answer, "prompt_tokens": ids.shape[1]}
         for name in methods:
-            options = METHODS[name]
+            options = cache_config(name, budget)
             kwargs = {} if options is None else {
-                "cache_implementation": "dual", "cache_config": {"budget": budget, "n_sink": 4, "window": 64, **options}
+                "cache_implementation": "dual", "cache_config": {"n_sink": 4, "window": 64, **options}
             }
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, **kwargs)
             text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)

@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+
+
+def mib(nbytes: float | None) -> str:
+    """A table cell in MiB (three significant digits; "—" for a missing or non-finite value)."""
+    if nbytes is None or not math.isfinite(nbytes):
+        return "—"
+    return f"{nbytes / 2**20:.3g}"
 
 
 def write_rows_and_table(out: str, rows: list[dict], table: str, jsonl: bool = False) -> None:

@@ -17,7 +17,7 @@ import sys
 import torch
 
 from ..cache import DualDecoderCache
-from ..cli import TimingStreamer
+from ..timing import TimingStreamer
 from ..models import load_model
 from .needle import format_chat, make_needle_prompt
 

@@ -12,6 +12,8 @@ import os
 from collections import defaultdict
 from statistics import mean
 
+from .outputs import mib
+
 METHOD_ORDER = ("dense", "dual", "dual-no-repair", "dual-none", "oracle", "quest", "streaming")
 
 
@@ -30,8 +32,9 @@ def _length_label(tokens: int) -> str:
 
 
 def _mib(values: list) -> str:
+    """The mean of `values` (bytes) in MiB."""
     values = [v for v in values if isinstance(v, (int, float))]
-    return f"{mean(values) / 2**20:.1f}" if values else "–"
+    return mib(mean(values) if values else None)
 
 
 def summary_markdown(rows: list[dict]) -> str:

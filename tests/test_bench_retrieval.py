@@ -62,3 +62,14 @@ def test_bad_arguments_exit_2(capsys):
     assert "error:" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench_retrieval.main(["--options", "{not json"])
+
+
+def test_a_batch_over_one_shared_prefix_runs(tmp_path):
+    out = tmp_path / "host"
+    assert bench_retrieval.main([*TINY[:1], "3000", *TINY[2:], "--repeats", "1", "--batches", "1", "3",
+                                 "--selectors", "exact", "clusters", "--shared-prefix", *INDEX,
+                                 "--out", str(out)]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())
+    assert all(r["shared_prefix"] for r in rows) and [r["batch"] for r in rows] == [1, 1, 3, 3]
+    one, three = rows[1], rows[3]  # clusters at batch 1 and 3: the index is built once, for the one sequence
+    assert one["index_host_bytes"] == three["index_host_bytes"]

@@ -77,14 +77,14 @@ def test_partial_budget_selections_identical_alone_and_in_padded_batch(selector)
         recorded = []
         original = cache.layers[1].decode_segments
 
-        def spy(query, scaling, original=original, recorded=recorded):
-            segments = original(query, scaling)
+        def spy(query, scaling, rows, original=original, recorded=recorded):
+            segments, drifted = original(query, scaling, rows)
             shape = (query.shape[0], segments[0].keys.shape[1])
             positions = torch.cat([s.positions.expand(*shape, s.keys.shape[2]) for s in segments], 2)
             valid = torch.cat([s.valid.expand(*shape, s.keys.shape[2]) for s in segments], 2)
             # row 0 (the short prompt) attended positions, per KV head, in ascending order
             recorded.append(torch.stack([positions[0, h][valid[0, h]].sort().values for h in range(shape[1])]))
-            return segments
+            return segments, drifted
 
         cache.layers[1].decode_segments = spy
         tokens[key] = model.generate(ids, attention_mask=attn, max_new_tokens=10, do_sample=False, cache=cache)[0, -10:]
@@ -156,8 +156,7 @@ def test_streamer_stopping_criteria_eos_and_scores():
 def test_crop_and_seq_length():
     model = tiny_llama(seed=25)
     cache = DualDecoderCache(model.config, budget=8, window=4)
-    with torch.no_grad():
-        model(_prompt(26, 30), cache=cache)
+    model.generate(_prompt(26, 30), max_new_tokens=1, cache=cache)  # stores the prompt (a cache fills in generate())
     assert cache.get_seq_length() == 30
     cache.crop(-3)
     assert cache.get_seq_length() == 27
@@ -191,7 +190,7 @@ def test_bad_cache_config_and_reuse_raise():
         DualDecoderCache(model.config, layer_budgets={7: 16})
     cache = DualDecoderCache(model.config, budget=8)
     model.generate(_prompt(30, 20), max_new_tokens=3, cache=cache)
-    with pytest.raises(ValueError, match="fresh DualDecoderCache"):
+    with pytest.raises(ValueError, match="must extend"):  # reuse continues the cached sequences, or is refused
         model.generate(_prompt(30, 20), max_new_tokens=3, cache=cache)
 
 

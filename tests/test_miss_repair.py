@@ -90,7 +90,7 @@ def test_schedule_repair_replaces_only_the_missed_rows():
 # --- drift repair: hit steps whose real query drifted from the speculated query that chose the entries ----------
 
 def test_query_drift_matches_a_per_group_loop():
-    from dual_cache.cache import query_drift
+    from dual_cache.layer import query_drift
 
     generator = torch.Generator().manual_seed(21)
     batch, kv_heads, group, dim = 3, 2, 4, 8
@@ -170,7 +170,7 @@ def test_cli_repair_drift_option(tmp_path, capsys):
 def test_repairing_some_sequences_scores_only_them_with_the_same_result(monkeypatch, selector, block):
     """A repair of a strict subset of the batch scores those sequences one by one; the selections they attend to
     (and the tokens) equal those of scoring the whole batch and copying the same rows."""
-    from dual_cache.cache import DualLayer
+    from dual_cache.layer import DualLayer
 
     model = six_layer_llama(seed=17)
     generator = torch.Generator().manual_seed(18)

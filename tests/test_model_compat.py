@@ -249,4 +249,5 @@ def test_deepcopy_of_a_fresh_cache_works_and_of_a_running_one_refuses_clearly():
                          stopping_criteria=StoppingCriteriaList([CopyMidway()]))
     assert len(errors) == 6 and "cannot be copied" in errors[0]
     assert torch.equal(out, model.generate(ids, max_new_tokens=6, do_sample=False, cache=fresh))
+    cache.close()  # a cache stays open after generate() (it may be continued)
     copy.deepcopy(cache)  # closed: copies (stats stay readable)

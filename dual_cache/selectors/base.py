@@ -92,10 +92,10 @@ class Selector:
         """Raise `ValueError` naming the option to change when `config`'s options do not suit this selector."""
 
     @classmethod
-    def host_bytes_per_token(cls, config: Any, kv_heads: int, head_dim: int, element_size: int) -> float:
-        """Host bytes this selector keeps per stored token of one sequence (all KV heads), beyond the store's K/V;
-        used to check a request fits in host memory before anything is allocated."""
-        return 0.0
+    def host_bytes_for(cls, config: Any, tokens: int, kv_heads: int, head_dim: int, element_size: int) -> int:
+        """Host bytes this selector keeps for one sequence whose store holds `tokens` tokens (all KV heads),
+        beyond the store's K/V; used to check a request fits in host memory before anything is allocated."""
+        return 0
 
     @property
     def repairable(self) -> bool:

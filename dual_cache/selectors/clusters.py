@@ -116,8 +116,11 @@ class ClusterSelector(Selector):
             )
 
     @classmethod
-    def host_bytes_per_token(cls, config, kv_heads: int, head_dim: int, element_size: int) -> float:
-        return kv_heads * (2 * head_dim * element_size / config.cluster_size + 4)
+    def host_bytes_for(cls, config, tokens: int, kv_heads: int, head_dim: int, element_size: int) -> int:
+        if tokens < config.cluster_min_context:  # never built: exact selection below it
+            return 0
+        clusters = -(-tokens // config.cluster_size)
+        return kv_heads * clusters * (2 * head_dim * element_size + 4 * config.cluster_size)
 
     # --- index ---------------------------------------------------------------------------------------
     def _grow(self, clusters: int) -> None:
@@ -161,11 +164,15 @@ class ClusterSelector(Selector):
         if not start:
             return candidates.first_real
         own = candidates.mask[:, start:]
+        if own.shape[1] == 0:  # nothing selectable past the prefix yet
+            return torch.full((own.shape[0],), start, dtype=torch.long)
         return torch.where(own, torch.arange(own.shape[1]), own.shape[1]).amin(dim=1) + start
 
     def extend(self, length: int, first_real: torch.Tensor, first_sequence: int = 0) -> None:
         """Cluster every segment that `length` committed tokens complete and that is not indexed yet, for the
         sequences `first_sequence, …` whose first real positions (past a shared prefix) are `first_real` `(b,)`."""
+        if length < self.config.cluster_min_context:
+            return  # selections take the exact path below it: build the index once it is reached
         rows = slice(first_sequence, first_sequence + len(first_real))
         self.origin[rows] = first_real  # fixed once a sequence has a real token: pads are all on the left
         done = self.segments[rows]
@@ -237,9 +244,8 @@ class ClusterSelector(Selector):
         # the tail: positions past the shared clusters (to the shared prefix's end) and past each own segment
         tail_start = origin + usable_segments * self.segment  # (b,)
         tail_from = int(tail_start.min()) if own_clusters or shared_clusters else 0
-        tail = torch.arange(self.shared_end, self.store.shared_length) if self.shared_end < tail_from else \
-            torch.empty(0, dtype=torch.long)
-        tail = torch.cat([tail, torch.arange(tail_from, end)])
+        shared_tail = torch.arange(self.shared_end, min(self.store.shared_length, end, tail_from))
+        tail = torch.cat([shared_tail, torch.arange(min(tail_from, end), end)])
         tail_usable = candidates.mask[:, tail] & ((tail[None, :] >= tail_start[:, None]) |
                                                  (tail[None, :] < self.store.shared_length))
         if own_clusters + shared_clusters == 0:

@@ -46,8 +46,8 @@ class ShortlistSelector(Selector):
         return self.keep if self.keep is not None else self.config.shortlist_factor * self.budget
 
     @classmethod
-    def host_bytes_per_token(cls, config, kv_heads: int, head_dim: int, element_size: int) -> float:
-        return kv_heads * head_dim * element_size  # one more copy of the keys
+    def host_bytes_for(cls, config, tokens: int, kv_heads: int, head_dim: int, element_size: int) -> int:
+        return tokens * kv_heads * head_dim * element_size  # one more copy of the keys
 
     def extend(self, length: int, first_real: torch.Tensor, first_sequence: int = 0) -> None:
         """Copy the keys of positions `[self.length, length)` into the channel-major layout, one chunk per store
