@@ -112,7 +112,7 @@ class DualDecoderConfig:
     speculator: str = "self"
     miss_repair: bool = True
     repair_drift: float | None = 0.4
-    selector: str = "clusters"
+    selector: str = "exact"
     shortlist_channels: int | None = None
     shortlist_factor: int = 8
     cluster_size: int = 16
