@@ -195,7 +195,8 @@ class HostKVStore:
         q = keys.shape[2]
         if self.length + q > self.capacity:
             short = self.length + q - self.capacity
-            self._grow(max(short, next_chunk_tokens(self.capacity, self.chunk_tokens)))
+            own = self.capacity - self.shared_length  # a shared prefix is not grown per sequence
+            self._grow(max(short, next_chunk_tokens(own, self.chunk_tokens)))
         done = 0
         while done < q:
             chunk, offset = self._locate(self.length + done)
@@ -278,12 +279,14 @@ class HostKVStore:
         out_keys, out_values = out if out is not None else (None, None)
         return self._gather(0, indices, out_keys), self._gather(1, indices, out_values)
 
-    def gather_keys(self, indices: torch.Tensor, first_sequence: int = 0) -> torch.Tensor:
-        """Keys only at `indices` (B, H_kv, k) int64 positions `< length`: a new `(B, H_kv, k, D)` tensor.
+    def gather_keys(self, indices: torch.Tensor, first_sequence: int = 0,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """Keys only at `indices` (B, H_kv, k) int64 positions `< length`: `(B, H_kv, k, D)`, written into `out`
+        (contiguous, e.g. a buffer reused across steps) or a new tensor.
 
         `first_sequence`: the `B` rows of `indices` are the store's sequences `first_sequence, …` (ValueError if
         they lie outside its batch)."""
-        return self._gather(0, indices, None, self.first_row(first_sequence, indices.shape[0]))
+        return self._gather(0, indices, out, self.first_row(first_sequence, indices.shape[0]))
 
     def first_row(self, first_sequence: int, batch: int) -> int:
         """Flat `(sequence, KV head)` row of `first_sequence`'s first KV head.
@@ -317,12 +320,21 @@ class HostKVStore:
             torch.index_select(self._chunks[0][which].view(-1, self.head_dim), 0, rows, out=flat_out)
             return target
         starts = torch.tensor(self._starts)
-        chunk_ids = torch.bucketize(indices, starts, right=True) - 1
+        chunk_ids = torch.bucketize(indices.contiguous(), starts, right=True) - 1
         flat_ids = chunk_ids.flatten()
-        for chunk in range(int(flat_ids.min()), int(flat_ids.max()) + 1):
-            inside = (flat_ids == chunk).nonzero().flatten()
-            if not len(inside):
+        counts = torch.bincount(flat_ids, minlength=len(self._chunks)).tolist()
+        main = max(range(len(counts)), key=counts.__getitem__)
+        # every row from the chunk most rows lie in, straight into `out` (rows of other chunks are clamped into it
+        # and overwritten below): one `index_select` does most of the work, as with one chunk
+        source = self._chunks[main][which]
+        sequences = shared if self._starts[main] < self.shared_length else own
+        local = (indices - self._starts[main]).clamp(0, source.shape[2] - 1)
+        torch.index_select(source.view(-1, self.head_dim), 0, (sequences * source.shape[2] + local).flatten(),
+                           out=flat_out)
+        for chunk, count in enumerate(counts):
+            if chunk == main or not count:
                 continue
+            inside = (flat_ids == chunk).nonzero().flatten()
             source = self._chunks[chunk][which]
             sequences = shared if self._starts[chunk] < self.shared_length else own
             rows = (sequences * source.shape[2] + indices - self._starts[chunk]).flatten()[inside]

@@ -26,6 +26,11 @@ def _logits(query: torch.Tensor, keys: Keys) -> torch.Tensor:
     group = q_heads // kv_heads
     grouped = query.reshape(batch, kv_heads, group, dim).to(chunks[0].dtype)
     out = torch.empty(batch, kv_heads, group, sum(c.shape[2] for c in chunks), dtype=torch.float32)
+    if len(chunks) == 1 and chunks[0].shape[0] == 1 and batch > 1 and chunks[0].is_contiguous():
+        # one shared chunk: the product's `(H_kv, B, G, n)` layout, viewed as `(B, H_kv, G, n)` without a copy
+        stacked = grouped.transpose(0, 1).reshape(1, kv_heads, batch * group, dim)
+        product = torch.matmul(stacked, chunks[0].transpose(-1, -2))[0].float()
+        return product.view(kv_heads, batch, group, -1).transpose(0, 1)
     start = 0
     for chunk in chunks:
         end = start + chunk.shape[2]
@@ -61,10 +66,14 @@ def group_attention_mass(query: torch.Tensor, keys: Keys, candidates: torch.Tens
     Returns:
         `(B, H_kv, n)` float32 mass in `[0, G]` (G = H_q / H_kv); 0 at non-candidates.
     """
-    logits = _logits(query, keys) * scaling  # (B, H_kv, G, n)
+    # softmax in place on the one float32 logits tensor: at long contexts it is the largest host allocation of a
+    # step, and a fresh one per elementwise op costs more than the arithmetic
+    logits = _logits(query, keys).mul_(scaling)  # (B, H_kv, G, n)
     bias = torch.zeros(candidates.shape, dtype=logits.dtype).masked_fill_(~candidates, float("-inf"))
     logits += bias[:, None, None, :] if candidates.dim() == 2 else bias[:, :, None, :]  # cheaper than masked_fill
-    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # rows without candidates give NaN → 0
+    peak = logits.amax(dim=-1, keepdim=True).nan_to_num_(0.0, neginf=0.0)  # rows without candidates: 0
+    probs = logits.sub_(peak).exp_()
+    probs.mul_(probs.sum(dim=-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny).reciprocal_())
     return probs.sum(dim=2)
 
 

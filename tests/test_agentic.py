@@ -184,6 +184,31 @@ def test_a_shared_prefix_at_partial_budget_selects_per_sequence_with_repairs():
             model.generate(ids, attention_mask=mask, max_new_tokens=2, cache=cache)
 
 
+def test_a_shared_prefix_whose_last_segment_reaches_into_the_window_selects_as_exact():
+    """The prefix's last indexed segment ends past the first steps' selectable range (short questions, a window
+    longer than they are): those clusters wait until they are selectable; with a shortlist that covers every
+    usable cluster the index then selects what exact top-k selects."""
+    model = six_layer_llama(seed=17)
+    document, ids, mask = _shared_batch(18, prefix=384, lengths=(1, 2, 3))  # 12 segments of 32, no tail
+    options = {"budget": 16, "window": 8, "early_layers": 0, "miss_repair": False}
+    index = {"selector": "clusters", "cluster_size": 4, "cluster_segment": 32, "cluster_min_context": 0,
+             "cluster_factor": 22}  # 88 clusters: every usable one while the selectable range is < 388 tokens
+    runs = []
+    for selector_options in (index, {"selector": "exact"}):
+        with DualDecoderCache(model.config, **options, **selector_options) as cache:
+            model.generate(document, max_new_tokens=1, do_sample=False, cache=cache)
+            recorded = record_selections(cache, at="release")
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, cache=cache)
+        runs.append((out, recorded))
+    (out_index, got), (out_exact, expected) = runs
+    assert torch.equal(out_index, out_exact)
+    for (layer, indices, valid, _), (layer_e, indices_e, valid_e, _) in zip(got, expected, strict=True):
+        assert layer == layer_e and torch.equal(valid, valid_e)
+        for b in range(indices.shape[0]):
+            for h in range(indices.shape[1]):
+                assert set(indices[b, h][valid[b, h]].tolist()) == set(indices_e[b, h][valid_e[b, h]].tolist())
+
+
 @pytest.mark.parametrize("seed", [14, 15])
 def test_queries_of_every_sequence_against_shared_keys_equal_per_sequence_products(seed):
     generator = torch.Generator().manual_seed(seed)

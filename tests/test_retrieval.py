@@ -174,3 +174,22 @@ def test_host_store_reserves_the_prompt_then_grows_geometrically():
     assert planned_capacity(0, 10_000, 1000) >= 10_000
     store.free()
     assert live_host_bytes() == before
+
+
+def test_a_shared_prefix_store_grows_by_what_each_sequence_adds():
+    """Growth after `share` follows each sequence's own positions, not the shared prefix (which is kept once)."""
+    from dual_cache.host_store import planned_capacity
+
+    store = HostKVStore(1, 2, 4, torch.float32, chunk_tokens=4096)
+    store.reserve(8000)
+    store.append(torch.randn(1, 2, 8000, 4), torch.randn(1, 2, 8000, 4))
+    prefix_bytes = store.nbytes
+    store.share(8)
+    store.reserve(8000 + 20)  # the questions' prompt tokens
+    store.append(torch.randn(8, 2, 20, 4), torch.randn(8, 2, 20, 4))
+    for _ in range(24):  # decode steps
+        token = torch.randn(8, 2, 1, 4)
+        store.append(token, token)
+    assert store.capacity - 8000 == planned_capacity(20, 44, 4096)
+    assert store.nbytes <= 1.3 * prefix_bytes
+    store.free()

@@ -14,6 +14,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from ..host_store import HostKVStore
+from ..retrieval import group_attention_mass, select_among
 from ..schedule import Selection
 
 HostClaim = Callable[[int], None]  # called with a byte count before host memory is allocated; may raise
@@ -191,6 +192,31 @@ class Selector:
 
     def free(self) -> None:
         """Release what the selector holds. Idempotent."""
+
+
+def select_in_shortlist(store: HostKVStore, query: torch.Tensor, positions: torch.Tensor, usable: torch.Tensor,
+                        first_sequence: int, budget: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact stage of a two-stage selector: gather the shortlisted keys, score them with each sequence's query
+    (`retrieval.group_attention_mass`) and keep the `budget` best (`retrieval.select_among`).
+
+    One sequence at a time (a sequence's selection depends on it alone): its gathered keys stay small enough for
+    the allocator to reuse memory across calls, where one buffer for a whole batch (tens of MiB at 32K) would be
+    mapped fresh, page by page, every step.
+
+    Args:
+        store: the layer's host store; query: `(b, H_q, D)` float32; positions: `(b, H_kv, m)` int64 shortlisted
+            positions of the store's sequences `first_sequence, …`; usable: `(b, H_kv, m)` bool.
+
+    Returns:
+        `(indices, valid)`, both `(b, H_kv, budget)`, as `Selector.select`.
+    """
+    chosen = []
+    for row in range(query.shape[0]):
+        one = slice(row, row + 1)
+        keys = store.gather_keys(positions[one], first_sequence + row)
+        mass = group_attention_mass(query[one], keys, usable[one], scaling)
+        chosen.append(select_among(mass, positions[one], usable[one], budget))
+    return torch.cat([indices for indices, _ in chosen]), torch.cat([valid for _, valid in chosen])
 
 
 def require_block_multiples(config: Any, selector: str) -> None:

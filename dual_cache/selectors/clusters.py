@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 
 from ..host_store import host_tensor
-from ..retrieval import group_attention_mass, select, select_among
-from .base import Candidates, Selector
+from ..retrieval import select
+from .base import Candidates, Selector, select_in_shortlist
 
 SPREAD = 2.0  # standard deviations of the within-cluster logit added to its mean (the cluster's score)
 POWER_ITERATIONS = 3  # per split, from the highest-variance channel
@@ -76,7 +76,7 @@ def balanced_clusters(keys: torch.Tensor, cluster_size: int) -> torch.Tensor:
 
 
 class ClusterSelector(Selector):
-    """The host index described in this module's docstring (`selector="clusters"`, the default).
+    """The host index described in this module's docstring (`selector="clusters"`).
 
     Options (`DualDecoderConfig`): `cluster_size` (keys per cluster), `cluster_segment` (positions clustered
     together; a power-of-two multiple of `cluster_size`), `cluster_factor` (shortlist = factor × budget positions
@@ -98,7 +98,7 @@ class ClusterSelector(Selector):
         self.members: torch.Tensor | None = None  # (B, H_kv, capacity, cluster_size) int32 positions
         # a prefix every sequence shares (`share`): its clusters (batch 1) and where they end
         self.shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self.shared_end = 0
+        self.shared_origin = 0  # where the shared prefix's first segment starts
 
     @property
     def keep_clusters(self) -> int:
@@ -150,7 +150,7 @@ class ClusterSelector(Selector):
             parts = (self.means[:, :, :used], self.variances[:, :, :used], self.members[:, :, :used])
             self.claim_host(sum(part.numel() * part.element_size() for part in parts))
             self.shared = tuple(host_tensor(part.shape, part.dtype).copy_(part) for part in parts)  # contiguous
-            self.shared_end = int(self.origin[0]) + int(self.segments[0]) * self.segment
+            self.shared_origin = int(self.origin[0])
         batch = self.store.shape_prefix[0]
         self.segments = torch.zeros(batch, dtype=torch.long)
         self.origin = torch.zeros(batch, dtype=torch.long)
@@ -225,9 +225,8 @@ class ClusterSelector(Selector):
             return select(query, keys, candidates.mask, self.budget, scaling)
         self.extend(end, self._own_first_real(candidates), candidates.first_sequence)
         positions, usable = self.shortlist(query, candidates, scaling)
-        keys = self.store.gather_keys(positions, candidates.first_sequence)
-        mass = group_attention_mass(query, keys, usable, scaling)
-        return select_among(mass, positions, usable, self.budget)
+        return select_in_shortlist(self.store, query, positions, usable, candidates.first_sequence, self.budget,
+                                   scaling)
 
     def shortlist(self, query: torch.Tensor, candidates: Candidates, scaling: float):
         """Stage 1: `positions` `(b, H_kv, m)` int64 (members of the best clusters, then the unclustered tail) and
@@ -240,11 +239,15 @@ class ClusterSelector(Selector):
         origin = self.origin[rows]
         usable_segments = ((end - origin).clamp(min=0) // self.segment).clamp(max=self.segments[rows])
         own_clusters = int(usable_segments.max()) * per_segment
-        shared_clusters = 0 if self.shared is None else self.shared[0].shape[2]
+        # the shared segments that end before `end` (the last ones may reach into the local window)
+        shared_segments = 0 if self.shared is None else min(self.shared[0].shape[2] // per_segment,
+                                                             max(0, (end - self.shared_origin) // self.segment))
+        shared_clusters = shared_segments * per_segment
+        shared_end = self.shared_origin + shared_segments * self.segment
         # the tail: positions past the shared clusters (to the shared prefix's end) and past each own segment
         tail_start = origin + usable_segments * self.segment  # (b,)
         tail_from = int(tail_start.min()) if own_clusters or shared_clusters else 0
-        shared_tail = torch.arange(self.shared_end, min(self.store.shared_length, end, tail_from))
+        shared_tail = torch.arange(shared_end, max(shared_end, min(self.store.shared_length, end, tail_from)))
         tail = torch.cat([shared_tail, torch.arange(min(tail_from, end), end)])
         tail_usable = candidates.mask[:, tail] & ((tail[None, :] >= tail_start[:, None]) |
                                                  (tail[None, :] < self.store.shared_length))
@@ -255,6 +258,8 @@ class ClusterSelector(Selector):
         scores, members, exists = [], [], []
         if shared_clusters:  # every sequence's queries against the shared clusters: one product
             means, variances, shared_members = self.shared
+            if shared_clusters < means.shape[2]:  # (a prefix view would be copied whole by the batched product)
+                means, variances, shared_members = (part[:, :, :shared_clusters].contiguous() for part in self.shared)
             stacked = scaled.transpose(0, 1).reshape(1, kv_heads, batch * group, dim)
             score = self._cluster_scores(stacked, means, variances)[0]
             scores.append(score.view(kv_heads, batch, group, -1).transpose(0, 1))

@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 
 from ..host_store import host_tensor
-from ..retrieval import group_attention_mass, select, select_among
-from .base import Candidates, Selector
+from ..retrieval import select
+from .base import Candidates, Selector, select_in_shortlist
 
 
 class ShortlistSelector(Selector):
@@ -120,9 +120,8 @@ class ShortlistSelector(Selector):
             keys = self.store.key_chunks(candidates.end, candidates.rows)
             return select(query, keys, candidates.mask, self.budget, scaling)
         positions, usable = self.shortlist(query, candidates)
-        keys = self.store.gather_keys(positions, candidates.first_sequence)
-        mass = group_attention_mass(query, keys, usable, scaling)  # (b, H_kv, m)
-        return select_among(mass, positions, usable, self.budget)
+        return select_in_shortlist(self.store, query, positions, usable, candidates.first_sequence, self.budget,
+                                   scaling)
 
     @property
     def host_bytes(self) -> int:
