@@ -278,13 +278,18 @@ class DualDecoderCache(Cache):
         self.spec_hits += int(hits)
         self.spec_steps += int(steps)
 
-    def check_continuation(self, input_ids: torch.Tensor | None, input_tokens: int) -> None:
+    def check_continuation(self, input_ids: torch.Tensor | None, input_tokens: int,
+                           attention_mask: torch.Tensor | None = None) -> None:
         """Raise `ValueError` unless a request's `input_ids` `(B, input_tokens)` extend the sequences this cache
-        holds by at least one token (before any work).
+        holds by at least one token, and its attention mask keeps each sequence's leading pads and sink tokens as
+        they were stored (they are fixed by the first request), before any work. Other held positions may be
+        marked as padding (transformers infers a mask from `pad_token_id`, which a generated token may equal):
+        they are then excluded from selection and the window, as the default cache masks them.
 
         Args:
             input_ids: the request's token ids, or None when its input is given as embeddings.
             input_tokens: positions of the request's input.
+            attention_mask: the request's `(B, input_tokens)` 0/1 mask, or None (every position real).
         """
         if self._final_stats is not None:
             raise RuntimeError("This DualDecoderCache was closed; create a new one for the next generate() call.")
@@ -319,6 +324,20 @@ class DualDecoderCache(Cache):
                 f"{int(given[row, position])} at position {position}, where the cache holds "
                 f"{int(held_ids[row, position])}. Pass the previous output (sequences) followed by the new "
                 "tokens, or a fresh cache."
+            )
+        sink_last = self.sequences.sink_last.expand(given.shape[0])  # (B,) last fixed position of each sequence
+        positions = torch.arange(min(int(sink_last.max()) + 1, stored))[None, :].expand(given.shape[0], -1)
+        real = self.sequences.is_real(positions)
+        marked = real.new_ones(real.shape) if attention_mask is None else \
+            attention_mask[:, : positions.shape[1]].cpu().bool()
+        changed = (marked != real) & (positions <= sink_last[:, None])
+        if bool(changed.any()):
+            row, position = changed.nonzero()[0].tolist()
+            raise ValueError(
+                f"attention_mask marks position {position} of sequence {row} as "
+                f"{'a real token' if bool(marked[row, position]) else 'padding'}, but this DualDecoderCache stored it "
+                f"as {'a real token (a sink token)' if bool(real[row, position]) else 'padding'}; leading pads and "
+                "sink tokens are fixed by the first request. Repeat the previous call's mask for the held positions."
             )
 
     def end_request(self, sequences: torch.Tensor | None = None) -> None:

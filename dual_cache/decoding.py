@@ -89,7 +89,7 @@ def dual_sample(
     attention_mask = model_kwargs.get("attention_mask")
     stored = cache.get_seq_length()
     if stored:  # continue the cached sequences: only the new tokens are prefilled
-        cache.check_continuation(input_ids if embeds is None else None, input_len)
+        cache.check_continuation(input_ids if embeds is None else None, input_len, attention_mask)
     positions = _position_ids(attention_mask, batch, input_len, device)
     next_position = positions[:, -1] + 1  # (B,)
     unfinished = torch.ones(batch, dtype=torch.long, device=device)

@@ -53,23 +53,6 @@ def _store(batch: int, kv_heads: int, dim: int, tokens: int, capacity: int, dtyp
     return store
 
 
-def key_bytes_read(selector, config: DualDecoderConfig, batch: int, hi: int, kv_heads: int, dim: int,
-                   element: int) -> float:
-    """Key bytes one layer's selection reads at `hi` selectable positions (all KV heads, the whole batch)."""
-    row = kv_heads * element  # one element of every KV head
-    if selector.name == "shortlist" and selector.shortlisted < hi:
-        channels = min(selector.channels, dim)
-        return batch * row * (hi * channels + selector.shortlisted * dim)
-    if selector.name == "quest":  # the page bounds only (kept on the device by Quest)
-        return batch * row * -(-hi // config.block_size) * 2 * dim
-    if selector.name == "clusters" and config.cluster_min_context <= hi and \
-            selector.keep_clusters * selector.cluster_size < hi:
-        clustered = (hi // config.cluster_segment) * config.cluster_segment
-        summaries = clustered // config.cluster_size * 2 * dim
-        return batch * row * (summaries + (selector.keep_clusters * config.cluster_size + hi - clustered) * dim)
-    return batch * row * hi * dim
-
-
 def measure(context: int, batch: int, selector_name: str, pool: int, args: argparse.Namespace) -> dict:
     """One cell: median wall seconds of one step's retrieval jobs over `args.distinct_layers` layers."""
     dtype = DTYPES[args.dtype]
@@ -115,8 +98,8 @@ def measure(context: int, batch: int, selector_name: str, pool: int, args: argpa
     finally:
         executor.shutdown()
     per_step = statistics.median(times) * args.layers / len(stores)
-    element = torch.empty((), dtype=dtype).element_size()
-    read = key_bytes_read(selectors[0], config, batch, context - args.window, args.kv_heads, args.head_dim, element)
+    scanned, gathered = selectors[0].key_bytes_read(context - args.window)
+    read = stored * scanned + batch * gathered  # a shared prefix is scanned once for the whole batch
     index_bytes = selectors[0].host_bytes
     row = {
         "context": context, "batch": batch, "selector": selector_name, "pool": pool,

@@ -33,7 +33,6 @@ from ..host_store import HostKVStore
 from ..models import model_display_name
 from ..retrieval import group_attention_mass
 from ..selectors import SELECTORS, Candidates
-from .bench_retrieval import key_bytes_read
 from .needle import format_chat, make_needle_prompt
 from .needle_sweep import load_tool_model, parse_seeds, threads_arg
 from .outputs import write_rows_and_table
@@ -123,7 +122,7 @@ def layer_recalls(queries: torch.Tensor, keys: torch.Tensor, scaling: float, bud
             indices, valid = selector.select(query, candidates, scaling)
             select_time += time.thread_time() - start
             recalls.append(((torch.gather(mass, 2, indices) * valid).sum(-1) / best)[0])
-            read += key_bytes_read(selector, config, 1, hi, keys.shape[1], keys.shape[3], 4)
+            read += sum(selector.key_bytes_read(hi))
         out[index] = {"recall": torch.cat(recalls), "build_s": build, "select_s": select_time / count,
                       "index_bytes": selector.host_bytes, "kv_bytes": store.nbytes, "read": read / count,
                       "exact_read": float(keys.shape[1] * keys.shape[3] * 4 * (n - window))}

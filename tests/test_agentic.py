@@ -229,3 +229,24 @@ def test_a_short_prompt_holds_about_what_it_stores():
     kv = stats["dense_equivalent_bytes"]
     assert stats["host_bytes"] <= 2 * kv  # store chunks sized to the prompt, then small steps
     cache.close()
+
+
+def test_a_continuation_may_not_change_the_mask_of_leading_pads_or_sink_tokens():
+    """Later held positions may become padding (a generated token equal to `pad_token_id`), as with the default
+    cache; the sink and the leading pads are fixed by the first request, so changing them is refused."""
+    model = six_layer_llama(seed=19)
+    ids = torch.randint(3, 90, (2, 40), generator=torch.Generator().manual_seed(20))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with DualDecoderCache(model.config, budget=16, window=8) as cache:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, cache=cache)
+        longer = torch.cat([out, torch.randint(3, 90, (2, 4))], dim=1)
+        extended = torch.cat([mask, torch.ones(2, longer.shape[1] - 40, dtype=torch.long)], dim=1)
+        for row, position in [(1, 1), (0, 0), (1, 4)]:  # a leading pad made real; sink tokens made padding
+            bad = extended.clone()
+            bad[row, position] = 1 - bad[row, position]
+            with pytest.raises(ValueError, match=f"position {position} of sequence {row}"):
+                model.generate(longer, attention_mask=bad, max_new_tokens=2, cache=cache)
+        later = extended.clone()
+        later[0, 30] = 0  # past the sink: applied as the default cache applies it
+        model.generate(longer, attention_mask=later, max_new_tokens=2, do_sample=False, cache=cache)

@@ -73,3 +73,6 @@ def test_a_batch_over_one_shared_prefix_runs(tmp_path):
     assert all(r["shared_prefix"] for r in rows) and [r["batch"] for r in rows] == [1, 1, 3, 3]
     one, three = rows[1], rows[3]  # clusters at batch 1 and 3: the index is built once, for the one sequence
     assert one["index_host_bytes"] == three["index_host_bytes"]
+    # every key of the shared prefix is scanned once for the batch; only the clusters' gathered rows are per sequence
+    assert rows[0]["key_mib_read_per_step"] == rows[2]["key_mib_read_per_step"]
+    assert one["key_mib_read_per_step"] < three["key_mib_read_per_step"] < 3 * one["key_mib_read_per_step"]

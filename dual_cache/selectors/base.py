@@ -102,6 +102,13 @@ class Selector:
     def repairable(self) -> bool:
         return self.prefetched
 
+    def key_bytes_read(self, end: int) -> tuple[int, int]:
+        """Host bytes one sequence's selection reads at `end` selectable positions (every KV head), as
+        `(scanned, gathered)`: `scanned` from data covering every position (keys, key copies, summaries), which a
+        batch continuing one shared prefix reads once for all its queries; `gathered` from rows picked for that
+        sequence alone. Exact scoring reads every key."""
+        return end * self.store.shape_prefix[1] * self.store.head_dim * self.store.element_size, 0
+
     def selects_everything(self, candidate_count: int) -> bool:
         """Whether any query selects every candidate when there are `candidate_count` of them (then a repair
         cannot change the selection and is skipped)."""

@@ -216,6 +216,16 @@ class ClusterSelector(Selector):
         self.segments = torch.minimum(self.segments, fits)
 
     # --- selection -----------------------------------------------------------------------------------
+    def key_bytes_read(self, end: int) -> tuple[int, int]:
+        """Every cluster's mean and variance, then the keys of the best clusters and of the unclustered tail
+        (for a sequence whose segments start at position 0)."""
+        if end < self.config.cluster_min_context or self.keep_clusters * self.cluster_size >= end:
+            return super().key_bytes_read(end)
+        row = self.store.shape_prefix[1] * self.store.head_dim * self.store.element_size
+        clustered = end // self.segment * self.segment
+        summaries = clustered // self.cluster_size * 2  # a mean and a variance per cluster
+        return row * summaries, row * (self.keep_clusters * self.cluster_size + end - clustered)
+
     def select(self, query: torch.Tensor, candidates: Candidates, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         self.store.first_row(candidates.first_sequence, query.shape[0])  # ValueError for rows outside the batch
         end = candidates.end

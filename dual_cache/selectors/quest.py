@@ -31,6 +31,11 @@ class QuestSelector(Selector):
     def check_config(cls, config) -> None:
         require_block_multiples(config, cls.name)
 
+    def key_bytes_read(self, end: int) -> tuple[int, int]:
+        """The page bounds only (min and max key per page; kept on the device)."""
+        pages = -(-end // self.config.block_size)
+        return pages * 2 * self.store.shape_prefix[1] * self.store.head_dim * self.store.element_size, 0
+
     def selects_everything(self, candidate_count: int) -> bool:
         return False
 

@@ -114,6 +114,13 @@ class ShortlistSelector(Selector):
         usable = torch.gather(candidates.mask[:, None, :].expand(batch, kv_heads, end), 2, positions)
         return positions, usable
 
+    def key_bytes_read(self, end: int) -> tuple[int, int]:
+        """`shortlist_channels` channels of every key, then the whole keys of the shortlist."""
+        if self.shortlisted >= end:
+            return super().key_bytes_read(end)
+        row = self.store.shape_prefix[1] * self.store.element_size
+        return row * end * min(self.channels, self.store.head_dim), row * self.shortlisted * self.store.head_dim
+
     def select(self, query: torch.Tensor, candidates: Candidates, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         self.store.first_row(candidates.first_sequence, query.shape[0])  # ValueError for rows outside the batch
         if self.shortlisted >= candidates.end:  # every position would be shortlisted: the exact selection
