@@ -12,6 +12,18 @@ import torch
 Keys = torch.Tensor | Sequence[torch.Tensor]
 
 
+def products(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """`rows @ keysᵀ` in the keys' dtype: `(..., m, D)` × `(..., n, D)` → `(..., m, n)`, possibly a transposed view.
+
+    For bfloat16 keys it is computed as `(keys @ rowsᵀ)ᵀ`: with a few query rows against many keys, the CPU's
+    bfloat16 matrix product runs faster with the key matrix as the left operand (the same products, rounded to
+    bfloat16 alike; `eval/bench_matmul_order.py` times both orders). Other dtypes keep `rows @ keysᵀ`, the faster order
+    for them."""
+    if keys.dtype == torch.bfloat16:
+        return torch.matmul(keys, rows.transpose(-1, -2)).transpose(-1, -2)
+    return torch.matmul(rows, keys.transpose(-1, -2))
+
+
 def _logits(query: torch.Tensor, keys: Keys) -> torch.Tensor:
     """`(B, H_kv, G, n)` float32 query·key products, keys given whole or as chunks along the position axis.
 
@@ -29,24 +41,26 @@ def _logits(query: torch.Tensor, keys: Keys) -> torch.Tensor:
     if len(chunks) == 1 and chunks[0].shape[0] == 1 and batch > 1 and chunks[0].is_contiguous():
         # one shared chunk: the product's `(H_kv, B, G, n)` layout, viewed as `(B, H_kv, G, n)` without a copy
         stacked = grouped.transpose(0, 1).reshape(1, kv_heads, batch * group, dim)
-        product = torch.matmul(stacked, chunks[0].transpose(-1, -2))[0].float()
-        return product.view(kv_heads, batch, group, -1).transpose(0, 1)
+        product = products(stacked, chunks[0])[0].view(kv_heads, batch, group, -1).transpose(0, 1)
+        if product.dtype == torch.float32 and product.stride(-1) == 1:
+            return product  # a view of the product: no copy
+        return out.copy_(product)
     start = 0
     for chunk in chunks:
         end = start + chunk.shape[2]
         if chunk.shape[0] == 1 and batch > 1:  # keys every sequence shares: one product for all their queries
             stacked = grouped.transpose(0, 1).reshape(1, kv_heads, batch * group, dim)
             if chunk.is_contiguous():
-                product = torch.matmul(stacked, chunk.transpose(-1, -2))[0]
+                product = products(stacked, chunk)[0]
             else:
-                product = torch.stack([torch.mm(stacked[0, h], chunk[0, h].T) for h in range(kv_heads)])
+                product = torch.stack([products(stacked[0, h], chunk[0, h]) for h in range(kv_heads)])
             out[..., start:end].copy_(product.view(kv_heads, batch, group, -1).transpose(0, 1))
         elif chunk.is_contiguous():
-            out[..., start:end].copy_(torch.matmul(grouped, chunk.transpose(-1, -2)))
+            out[..., start:end].copy_(products(grouped, chunk))
         else:
             for b in range(batch):
                 for h in range(kv_heads):
-                    out[b, h, :, start:end].copy_(torch.mm(grouped[b, h], chunk[b, h].T))
+                    out[b, h, :, start:end].copy_(products(grouped[b, h], chunk[b, h]))
         start = end
     return out
 

@@ -117,6 +117,30 @@ def test_chunked_keys_give_the_same_mass(seed):
     torch.testing.assert_close(chunked, whole)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("seed", [8, 9])
+def test_products_in_either_operand_order_equal_the_float_product(seed, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(3, 2, 301, 64, generator=gen).to(dtype)
+    rows = torch.randn(3, 2, 5, 64, generator=gen).to(dtype)
+    product = retrieval.products(rows, keys)
+    assert product.shape == (3, 2, 5, 301) and product.dtype == dtype
+    reference = rows.double() @ keys.double().transpose(-1, -2)
+    # the output's rounding plus the accumulation's, bounded by the product of magnitudes
+    step = 2 * torch.finfo(dtype).eps * (rows.double().abs() @ keys.double().abs().transpose(-1, -2)).amax().item()
+    torch.testing.assert_close(product.double(), reference, rtol=0, atol=step)
+
+
+@pytest.mark.parametrize("seed", [10, 11])
+def test_bf16_mass_over_a_shared_chunk_equals_the_per_sequence_mass(seed):
+    query, keys, candidates = _inputs(seed, batch=3)
+    shared = keys[:1].to(torch.bfloat16)
+    together = retrieval.group_attention_mass(query, shared, candidates, scaling=0.25)
+    apart = torch.cat([retrieval.group_attention_mass(query[b : b + 1], shared, candidates[b : b + 1], scaling=0.25)
+                       for b in range(3)])
+    torch.testing.assert_close(together, apart)
+
+
 @pytest.mark.parametrize("seed", [6, 7])
 def test_quest_pages_match_brute_force_bound(seed):
     query, keys, candidates = _inputs(seed, n=50)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..host_store import host_tensor
-from ..retrieval import select
+from ..retrieval import products, select
 from .base import Candidates, Selector, select_in_shortlist
 
 SPREAD = 2.0  # standard deviations of the within-cluster logit added to its mean (the cluster's score)
@@ -298,8 +298,8 @@ class ClusterSelector(Selector):
     def _cluster_scores(scaled: torch.Tensor, means: torch.Tensor, variances: torch.Tensor) -> torch.Tensor:
         """`(b, H_kv, G, clusters)` float32 `s·(q·μ) + SPREAD·sqrt(s²·(q²·v))` for scaled queries `(b, H_kv, G, D)`
         against contiguous `(b, H_kv, clusters, D)` means and variances."""
-        center = torch.matmul(scaled.to(means.dtype), means.transpose(-1, -2))
-        spread = torch.matmul(scaled.square().to(means.dtype), variances.transpose(-1, -2))
+        center = products(scaled.to(means.dtype), means)
+        spread = products(scaled.square().to(means.dtype), variances)
         return spread.float().clamp_(min=0).sqrt_().mul_(SPREAD).add_(center)
 
     @property
