@@ -250,7 +250,8 @@ def parse_cache_config(value: str | Mapping[str, Any] | None) -> dict[str, Any]:
         try:
             config = json.loads(source)
         except json.JSONDecodeError as error:
-            raise ValueError(f"--cache-config must be a JSON object or a JSON file: {error}") from error
+            hint = (f" (no file named {value!r} exists)" if value.strip()[:1] not in "{[\"" else "")
+            raise ValueError(f"--cache-config must be a JSON object or a JSON file{hint}: {error}") from error
         if not isinstance(config, dict):
             raise ValueError("--cache-config must be a JSON object, e.g. '{\"budget\": 256}'.")
     DualDecoderConfig.from_dict(config)  # raises ValueError naming the bad option

@@ -42,7 +42,8 @@ def summary_markdown(rows: list[dict]) -> str:
     lines = []
     models = sorted({str(r.get("model")) for r in rows})
     lines.append(f"# Quality evaluation\n\nModel: {', '.join(models)}. Scores are 0–100 means over samples "
-                 "(n = samples per cell); device MiB = mean KV bytes on the compute device per request.\n")
+                 "(n = samples per cell); device MiB = mean KV bytes on the compute device per request, over every "
+                 "task at that length.\n")
     gen = [r for r in rows if r["dataset"] != "fidelity"]
     if gen:
         columns = sorted({(r["dataset"], r["task"], r["length"]) for r in gen})

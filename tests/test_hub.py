@@ -284,6 +284,7 @@ def test_cli_card_writes_and_prints(tmp_path, capsys):
     (["--cache-config", '{"budget": -1}'], "budget"),
     (["--cache-config", '{"bogus": 1}'], "Unknown dual cache option"),
     (["--cache-config", "[1]"], "JSON object"),
+    (["--cache-config", "missing.json"], "no file named 'missing.json' exists"),
     (["--results-model", "nobody"], "no result row has model"),
     (["--out", "no/such/folder/README.md"], "does not exist"),
     (["--push", "not a repo id!"], "not a valid Hub repo id"),
