@@ -76,6 +76,11 @@ class DualDecoderConfig:
             the exact attention mass picks the budget.
         cluster_min_context: `selector="clusters"`: with fewer selectable positions than this, the exact selection
             is used (reading every key costs less than the index there); 0 always uses the index.
+        cluster_fanout: `selector="clusters"`: clusters per node of a second index level (a power of two, at most
+            `cluster_segment / cluster_size`); a step scores every node and only the best nodes' clusters. 1: one
+            level (every cluster is scored).
+        cluster_node_factor: `selector="clusters"` with `cluster_fanout` > 1: nodes kept per (sequence, KV head)
+            = `cluster_node_factor ×` (clusters kept) `/ cluster_fanout`.
         shortlist_channels: `selector="shortlist"`: query channels scored per KV head in the first stage; None =
             `max(1, head_dim // 8)` (values above `head_dim` act as `head_dim`).
         shortlist_factor: `selector="shortlist"` keeps `shortlist_factor × budget` positions per KV head for the
@@ -119,6 +124,8 @@ class DualDecoderConfig:
     cluster_segment: int = 1024
     cluster_factor: int = 8
     cluster_min_context: int = 8192
+    cluster_fanout: int = 1
+    cluster_node_factor: int = 4
     retrieval_threads: int | None = None
     prefill_chunk_size: int = 8192
     ngram_size: int = 3
@@ -198,6 +205,8 @@ class DualDecoderConfig:
         _int("cluster_segment", self.cluster_segment, 1)
         _int("cluster_factor", self.cluster_factor, 1)
         _int("cluster_min_context", self.cluster_min_context, 0)
+        _int("cluster_fanout", self.cluster_fanout, 1)
+        _int("cluster_node_factor", self.cluster_node_factor, 1)
         _int("ngram_size", self.ngram_size, 1)
         _int("lookahead", self.lookahead, 0)
         _int("host_chunk_tokens", self.host_chunk_tokens, 1)

@@ -78,25 +78,31 @@ def test_index_selects_exactly_the_exact_top_k_when_its_shortlist_covers_every_p
         selector.free()
 
 
+TWO_LEVELS = {"cluster_fanout": 2, "cluster_node_factor": 1}  # 4 of a sequence's 24 or 32 nodes at budget 8
+
+
+@pytest.mark.parametrize("levels", [{}, TWO_LEVELS])
 @pytest.mark.parametrize("seed", [7, 8])
-def test_incremental_index_equals_a_rebuild_and_follows_crops(seed):
+def test_incremental_index_equals_a_rebuild_and_follows_crops(seed, levels):
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(2, 2, 260, 8, generator=g)
     starts = torch.tensor([0, 45])
     query = torch.randn(2, 4, 8, generator=g)
     store = _store(keys, piece=260, reserve=300)
-    grown = _clusters(store)
+    grown = _clusters(store, **levels)
     for length in (1, 30, 31, 77, 150, 151, 260):  # token by token would be the same calls, only more of them
         grown.extend(length, starts)
-    rebuilt = _clusters(store)
+    rebuilt = _clusters(store, **levels)
     rebuilt.extend(260, starts)
     assert torch.equal(grown.segments, rebuilt.segments) and grown.segments.tolist() == [8, 6]
     used = int(grown.segments.max()) * 8
     for name in ("means", "variances", "members"):
         for row in range(2):
             clusters = int(grown.segments[row]) * 8
-            assert torch.equal(getattr(grown, name)[row, :, :clusters], getattr(rebuilt, name)[row, :, :clusters])
+            assert torch.equal(grown.parts[name][row, :, :clusters], rebuilt.parts[name][row, :, :clusters])
     assert used <= grown._capacity
+    # what the cache checks against its host-memory limit before allocating: the index for the store's capacity
+    assert grown.host_bytes == 2 * ClusterSelector.host_bytes_for(grown.config, store.capacity, 2, 8, 4)
     mask = torch.arange(250)[None, :] >= starts[:, None] + 2
     for selector in (grown, rebuilt):
         assert selector.host_bytes > 0
@@ -110,16 +116,19 @@ def test_incremental_index_equals_a_rebuild_and_follows_crops(seed):
     store.append(fresh, -fresh)
     grown.extend(260, starts)
     keys[:, :, 160:] = fresh
-    again = _clusters(_store(keys))
+    again = _clusters(_store(keys), **levels)
     again.extend(260, starts)
+    assert set(again.parts) == {"means", "variances", "members", *(("node_means", "node_variances") if levels else ())}
     for row in range(2):
         clusters = int(grown.segments[row]) * 8
-        assert torch.equal(grown.members[row, :, :clusters], again.members[row, :, :clusters])
-        assert torch.equal(grown.means[row, :, :clusters], again.means[row, :, :clusters])
+        for name in again.parts:
+            length = clusters // (2 if name.startswith("node") else 1)
+            assert torch.equal(grown.parts[name][row, :, :length], again.parts[name][row, :, :length])
 
 
+@pytest.mark.parametrize("levels", [{}, TWO_LEVELS])
 @pytest.mark.parametrize("seed", [9, 10])
-def test_one_sequence_selects_as_in_the_whole_batch_and_padding_never_moves_its_clusters(seed):
+def test_one_sequence_selects_as_in_the_whole_batch_and_padding_never_moves_its_clusters(seed, levels):
     g = torch.Generator().manual_seed(seed)
     alone = torch.randn(1, 2, 200, 8, generator=g)
     pad = 37
@@ -129,7 +138,7 @@ def test_one_sequence_selects_as_in_the_whole_batch_and_padding_never_moves_its_
     starts = torch.tensor([0, pad])
     query = torch.randn(2, 4, 8, generator=g)
     store = _store(keys)
-    selector = _clusters(store, budget=8)
+    selector = _clusters(store, budget=8, **levels)
     hi = 190
     mask = torch.arange(hi)[None, :] >= starts[:, None] + 2
     whole = selector.select(query, Candidates(mask, starts), 0.3)
@@ -139,11 +148,86 @@ def test_one_sequence_selects_as_in_the_whole_batch_and_padding_never_moves_its_
         assert torch.equal(one[0][one[1]], whole[0][row : row + 1][one[1]])
     # the padded row's selection equals that of the same tokens alone, shifted by the padding
     solo_store = _store(alone)
-    solo = _clusters(solo_store, budget=8)
+    solo = _clusters(solo_store, budget=8, **levels)
     solo_mask = torch.arange(hi - pad)[None, :] >= 2
     expected = solo.select(query[1:], Candidates(solo_mask, torch.tensor([0])), 0.3)
     assert torch.equal(expected[1], whole[1][1:])
     assert torch.equal(expected[0][expected[1]] + pad, whole[0][1:][expected[1]])
+
+
+def _two_level_reference(selector, query, mask, starts, scaling):
+    """The two-level selection written out per (sequence, KV head) with loops, from the index's stored summaries."""
+    config, fanout, size = selector.config, selector.fanout, selector.cluster_size
+    batch, q_heads, dim = query.shape
+    kv_heads = selector.store.shape_prefix[1]
+    group, end = q_heads // kv_heads, mask.shape[1]
+    keys = torch.cat(selector.store.key_chunks(end), dim=2).float()
+    per_segment = config.cluster_segment // size
+    chosen = []
+    for b in range(batch):
+        segments = min(int(selector.segments[b]), (end - int(starts[b])) // config.cluster_segment)
+        tail = torch.arange(int(starts[b]) + segments * config.cluster_segment, end)
+        for h in range(kv_heads):
+            q = query[b, h * group : (h + 1) * group].float() * scaling  # (G, D)
+
+            def score(means, variances):  # (n,) per-head shares combined over the group
+                raw = q @ means.float().T + 2 * (q.square() @ variances.float().T).clamp(min=0).sqrt()
+                return torch.logsumexp(raw - torch.logsumexp(raw, dim=-1, keepdim=True), dim=0)
+
+            parts = {name: part[b, h] for name, part in selector.parts.items()}
+            nodes = segments * per_segment // fanout
+            node_score = score(parts["node_means"][:nodes], parts["node_variances"][:nodes])
+            kept = torch.topk(node_score, selector.keep_nodes).indices
+            clusters = (kept[:, None] * fanout + torch.arange(fanout)).flatten()
+            cluster_score = score(parts["means"][clusters], parts["variances"][clusters])
+            best = clusters[torch.topk(cluster_score, selector.keep_clusters).indices]
+            shortlist = torch.cat([parts["members"][best].flatten().long(), tail])
+            shortlist = shortlist[mask[b, shortlist]]
+            logits = (q @ keys[b, h, shortlist].T).softmax(dim=-1).sum(dim=0)
+            top = shortlist[torch.topk(logits, min(selector.budget, len(shortlist))).indices]
+            chosen.append(set(top.tolist()))
+    return chosen
+
+
+@pytest.mark.parametrize("fanout, node_factor", [(2, 1), (4, 1), (4, 2)])
+@pytest.mark.parametrize("seed", [21, 22])
+def test_two_levels_select_what_a_loop_reference_selects(seed, fanout, node_factor):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(2, 2, 420, 16, generator=g) + 0.5 * torch.randn(2, 2, 1, 16, generator=g)
+    starts = torch.tensor([0, 29])
+    query = torch.randn(2, 6, 16, generator=g)
+    store = _store(keys)
+    selector = _clusters(store, budget=8, cluster_fanout=fanout, cluster_node_factor=node_factor)
+    mask = torch.arange(400)[None, :] >= starts[:, None] + 2
+    assert selector.keep_nodes * fanout < 12 * 8  # the two-level path: fewer nodes kept than the 12 segments hold
+    got = selector.select(query, Candidates(mask, starts), 0.25)
+    expected = _two_level_reference(selector, query, mask, starts, 0.25)
+    for b in range(2):
+        for h in range(2):
+            assert set(got[0][b, h][got[1][b, h]].tolist()) == expected[b * 2 + h]
+    selector.free()
+
+
+@pytest.mark.parametrize("levels", [{}, TWO_LEVELS])
+def test_a_shared_prefix_selects_what_each_sequence_with_its_own_copy_selects(levels):
+    g = torch.Generator().manual_seed(23)
+    prefix = torch.randn(1, 2, 256, 8, generator=g)  # 8 segments of 32: the own segments start where it ends
+    own = torch.randn(3, 2, 100, 8, generator=g)
+    query = torch.randn(3, 4, 8, generator=g)
+    shared_store = _store(prefix)
+    shared = _clusters(shared_store, **levels)
+    shared.extend(256, torch.zeros(1, dtype=torch.long))
+    shared_store.share(3)
+    shared.share()
+    shared_store.append(own, -own)
+    copies = _clusters(_store(torch.cat([prefix.expand(3, -1, -1, -1), own], dim=2)), **levels)
+    mask = torch.arange(340)[None, :].expand(3, -1) >= 2
+    starts = torch.zeros(3, dtype=torch.long)
+    a, b = (selector.select(query, Candidates(mask, starts), 0.3) for selector in (shared, copies))
+    assert torch.equal(a[1], b[1])
+    for row in range(3):
+        for h in range(2):
+            assert set(a[0][row, h][a[1][row, h]].tolist()) == set(b[0][row, h][b[1][row, h]].tolist())
 
 
 @pytest.mark.parametrize(
@@ -154,6 +238,10 @@ def test_one_sequence_selects_as_in_the_whole_batch_and_padding_never_moves_its_
         ({"cluster_segment": 8, "cluster_size": 16}, "power of two"),
         ({"cluster_factor": 0}, "cluster_factor"),
         ({"cluster_size": 1.5}, "cluster_size"),
+        ({"cluster_fanout": 3}, "cluster_fanout"),
+        ({"cluster_fanout": 128, "cluster_size": 16, "cluster_segment": 1024}, "cluster_fanout"),
+        ({"cluster_fanout": 0}, "cluster_fanout"),
+        ({"cluster_node_factor": 0}, "cluster_node_factor"),
     ],
 )
 def test_bad_index_options_are_refused_before_any_work(options, message):

@@ -18,13 +18,21 @@ while choosing (nearly) the same entries:
   `cluster_factor × budget / cluster_size` best clusters' members plus the tail are the shortlist; their exact
   attention mass (each head's softmax normalised over the shortlist, summed over the group, as
   `retrieval.select`) picks the `budget` entries.
+- **Two levels (`cluster_fanout` > 1).** Consecutive runs of `cluster_fanout` clusters of a segment are subtrees of
+  its partition (nodes of `cluster_fanout × cluster_size` similar keys); each node keeps the mean and per-channel
+  variance of its keys too. A step scores every node the same way, keeps the `cluster_node_factor × (clusters
+  kept) / cluster_fanout` best, and scores only their clusters: stage 1 reads about `1 / cluster_fanout` of the
+  cluster summaries at long contexts. When every node would be kept, the one-level path runs (the same choice).
 
 Top-k runs over clusters and the shortlist, never over every position. Below `cluster_min_context` selectable
-positions, or when the shortlist would hold every position, the exact selection is computed directly. Host bytes: `2·D` elements per cluster (μ, v) plus an int32
-position per token, e.g. 7% of the K/V for `cluster_size=16`. Nothing lives on the device.
+positions, or when the shortlist would hold every position, the exact selection is computed directly. Host
+bytes: `2·D` elements per cluster (μ, v) and per node, plus an int32 position per token, e.g. 7% of the K/V for
+`cluster_size=16`. Nothing lives on the device.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -80,7 +88,8 @@ class ClusterSelector(Selector):
 
     Options (`DualDecoderConfig`): `cluster_size` (keys per cluster), `cluster_segment` (positions clustered
     together; a power-of-two multiple of `cluster_size`), `cluster_factor` (shortlist = factor × budget positions
-    from the best clusters, plus the tail).
+    from the best clusters, plus the tail), `cluster_fanout` (clusters per node of a second level; 1: one level)
+    and `cluster_node_factor` (nodes kept = factor × clusters kept / fanout).
     """
 
     name = "clusters"
@@ -89,40 +98,73 @@ class ClusterSelector(Selector):
         super().__init__(*args, **kwargs)
         self.cluster_size = self.config.cluster_size
         self.segment = self.config.cluster_segment
+        self.fanout = self.config.cluster_fanout
         batch, kv_heads = self.store.shape_prefix
         self.segments = torch.zeros(batch, dtype=torch.long)  # complete segments indexed, per sequence
         self.origin = torch.zeros(batch, dtype=torch.long)  # where each sequence's first segment starts
-        self._capacity = 0  # clusters per (sequence, KV head) allocated
-        self.means: torch.Tensor | None = None  # (B, H_kv, capacity, D) mean key of each cluster
-        self.variances: torch.Tensor | None = None  # (B, H_kv, capacity, D) per-channel key variance of each cluster
-        self.members: torch.Tensor | None = None  # (B, H_kv, capacity, cluster_size) int32 positions
-        # a prefix every sequence shares (`share`): its clusters (batch 1) and where they end
-        self.shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self.shared_origin = 0  # where the shared prefix's first segment starts
+        self._capacity = 0  # clusters per (sequence, KV head) allocated (a multiple of the fanout)
+        # (B, H_kv, capacity, D) mean key and per-channel key variance of each cluster, (B, H_kv, capacity,
+        # cluster_size) int32 member positions, and with two levels (B, H_kv, capacity / fanout, D) the mean and
+        # variance of each node; None until built
+        self.parts: dict[str, torch.Tensor] | None = None
+        # a prefix every sequence shares (`share`): its parts (batch 1, as many clusters as it has), and where it starts
+        self.shared: dict[str, torch.Tensor] | None = None
+        self.shared_origin = 0
 
     @property
     def keep_clusters(self) -> int:
         """Clusters shortlisted per (sequence, KV head): `cluster_factor × budget` positions."""
         return max(1, self.config.cluster_factor * self.budget // self.cluster_size)
 
+    @property
+    def keep_nodes(self) -> int:
+        """Nodes whose clusters are scored per (sequence, KV head) with two levels."""
+        return max(1, -(-self.config.cluster_node_factor * self.keep_clusters // self.fanout))
+
+    def _two_levels(self, clusters: int) -> bool:
+        """Whether a selection among `clusters` clusters goes through the nodes (it keeps only some of them)."""
+        return self.fanout > 1 and self.keep_nodes < clusters // self.fanout
+
     @classmethod
     def check_config(cls, config) -> None:
-        size, segment = config.cluster_size, config.cluster_segment
+        size, segment, fanout = config.cluster_size, config.cluster_segment, config.cluster_fanout
         ratio = segment // size if size > 0 else 0
         if segment % size or ratio < 1 or ratio & (ratio - 1):
             raise ValueError(
                 f"`cluster_segment` ({segment}) must be `cluster_size` ({size}) times a power of two, e.g. "
                 f"{size * 64}; change one of them."
             )
+        if fanout & (fanout - 1) or fanout > ratio:
+            raise ValueError(
+                f"`cluster_fanout` ({fanout}) must be a power of two no larger than the clusters per segment "
+                f"(`cluster_segment / cluster_size` = {ratio}); change it, or use 1 for one level."
+            )
 
     @classmethod
     def host_bytes_for(cls, config, tokens: int, kv_heads: int, head_dim: int, element_size: int) -> int:
         if tokens < config.cluster_min_context:  # never built: exact selection below it
             return 0
-        clusters = -(-tokens // config.cluster_size)
-        return kv_heads * clusters * (2 * head_dim * element_size + 4 * config.cluster_size)
+        clusters = -(-tokens // (config.cluster_size * config.cluster_fanout)) * config.cluster_fanout
+        return int(kv_heads * cls._bytes_per_cluster(config, head_dim, element_size) * clusters)
+
+    @staticmethod
+    def _bytes_per_cluster(config, head_dim: int, element_size: int) -> float:
+        """Host bytes per cluster and KV head: its mean, variance and member positions, and its share of a node's
+        mean and variance with two levels."""
+        nodes = 0 if config.cluster_fanout == 1 else 1 / config.cluster_fanout  # nodes per cluster
+        return 2 * head_dim * element_size * (1 + nodes) + 4 * config.cluster_size
 
     # --- index ---------------------------------------------------------------------------------------
+    def _shapes(self, batch: int, capacity: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        kv_heads, dim, dtype = self.store.shape_prefix[1], self.store.head_dim, self.store.dtype
+        shapes = {"means": ((batch, kv_heads, capacity, dim), dtype),
+                  "variances": ((batch, kv_heads, capacity, dim), dtype),
+                  "members": ((batch, kv_heads, capacity, self.cluster_size), torch.int32)}
+        if self.fanout > 1:
+            shapes["node_means"] = shapes["node_variances"] = ((batch, kv_heads, capacity // self.fanout, dim),
+                                                               dtype)
+        return shapes
+
     def _grow(self, clusters: int) -> None:
         """Make room for `clusters` clusters per (sequence, KV head), and for as many as the store's capacity can
         hold (so the index grows when the store does; contents are copied, never recomputed)."""
@@ -130,31 +172,34 @@ class ClusterSelector(Selector):
             return
         own = self.store.capacity - self.store.shared_length  # positions each sequence holds on its own
         capacity = max(clusters, -(-own // self.cluster_size))
-        batch, kv_heads = self.store.shape_prefix
-        dim = self.store.head_dim
-        self.claim_host(batch * kv_heads * (capacity - self._capacity)
-                        * (2 * dim * self.store.element_size + 4 * self.cluster_size))
-        grown = [host_tensor((batch, kv_heads, capacity, dim), self.store.dtype) for _ in range(2)]
-        grown.append(host_tensor((batch, kv_heads, capacity, self.cluster_size), torch.int32))
-        if self._capacity:
-            for new, old in zip(grown, (self.means, self.variances, self.members)):
-                new[:, :, : self._capacity] = old
-        self.means, self.variances, self.members = grown
+        capacity = -(-capacity // self.fanout) * self.fanout
+        batch = self.store.shape_prefix[0]
+        shapes = self._shapes(batch, capacity)
+        old_shapes = self._shapes(batch, self._capacity)
+        self.claim_host(sum((math.prod(shape) - math.prod(old_shapes[name][0])) * dtype.itemsize
+                            for name, (shape, dtype) in shapes.items()))
+        grown = {name: host_tensor(shape, dtype) for name, (shape, dtype) in shapes.items()}
+        if self.parts is not None:
+            for name, old in self.parts.items():
+                grown[name][:, :, : old.shape[2]] = old
+        self.parts = grown
         self._capacity = capacity
 
     def share(self) -> None:
         """The store's one sequence is now a prefix every sequence shares: its clusters are kept once (batch 1)
         and scored for every sequence's query in one product; each sequence clusters what follows on its own."""
-        if self.means is not None and int(self.segments[0]):
+        if self.parts is not None and int(self.segments[0]):
             used = int(self.segments[0]) * (self.segment // self.cluster_size)
-            parts = (self.means[:, :, :used], self.variances[:, :, :used], self.members[:, :, :used])
-            self.claim_host(sum(part.numel() * part.element_size() for part in parts))
-            self.shared = tuple(host_tensor(part.shape, part.dtype).copy_(part) for part in parts)  # contiguous
+            parts = {name: part[:, :, : used // self.fanout if name.startswith("node") else used]
+                     for name, part in self.parts.items()}
+            self.claim_host(sum(part.numel() * part.element_size() for part in parts.values()))
+            self.shared = {name: host_tensor(part.shape, part.dtype).copy_(part)  # contiguous
+                           for name, part in parts.items()}
             self.shared_origin = int(self.origin[0])
         batch = self.store.shape_prefix[0]
         self.segments = torch.zeros(batch, dtype=torch.long)
         self.origin = torch.zeros(batch, dtype=torch.long)
-        self.means = self.variances = self.members = None
+        self.parts = None
         self._capacity = 0
 
     def _own_first_real(self, candidates: Candidates) -> torch.Tensor:
@@ -200,15 +245,20 @@ class ClusterSelector(Selector):
         flat = keys.reshape(-1, self.segment, dim)
         order = balanced_clusters(flat, self.cluster_size)
         clustered = torch.gather(flat.float(), 1, order[..., None].expand(-1, -1, dim))
-        clustered = clustered.view(len(todo), kv_heads, per_segment, self.cluster_size, dim)
-        means = clustered.mean(dim=3).to(self.store.dtype)
-        variances = clustered.var(dim=3, unbiased=False).to(self.store.dtype)
-        positions = (order.view(len(todo), kv_heads, per_segment, self.cluster_size)
-                     + starts.view(-1, 1, 1, 1)).to(torch.int32)
+        built = {"means": clustered.view(len(todo), kv_heads, per_segment, self.cluster_size, dim),
+                 "members": (order.view(len(todo), kv_heads, per_segment, self.cluster_size)
+                             + starts.view(-1, 1, 1, 1)).to(torch.int32)}
+        if self.fanout > 1:  # a node: `fanout` consecutive clusters, a subtree of the partition
+            built["node_means"] = clustered.view(len(todo), kv_heads, per_segment // self.fanout, -1, dim)
+        for name in ("means", "node_means"):
+            if name in built:
+                grouped = built[name]
+                built[name] = grouped.mean(dim=3).to(self.store.dtype)
+                built[name.replace("means", "variances")] = grouped.var(dim=3, unbiased=False).to(self.store.dtype)
         for i, (row, index) in enumerate(todo):
-            span = slice(index * per_segment, (index + 1) * per_segment)
-            self.means[row, :, span], self.variances[row, :, span] = means[i], variances[i]
-            self.members[row, :, span] = positions[i]
+            for name, values in built.items():
+                width = values.shape[2]
+                self.parts[name][row, :, index * width : (index + 1) * width] = values[i]
 
     def truncate(self, length: int) -> None:
         """Forget the segments that reach past `length` (they are built again once tokens are committed)."""
@@ -217,14 +267,18 @@ class ClusterSelector(Selector):
 
     # --- selection -----------------------------------------------------------------------------------
     def key_bytes_read(self, end: int) -> tuple[int, int]:
-        """Every cluster's mean and variance, then the keys of the best clusters and of the unclustered tail
-        (for a sequence whose segments start at position 0)."""
+        """The summaries scored (every cluster's mean and variance; with two levels every node's, then the kept
+        nodes' clusters'), then the keys of the best clusters and of the unclustered tail (for a sequence whose
+        segments start at position 0)."""
         if end < self.config.cluster_min_context or self.keep_clusters * self.cluster_size >= end:
             return super().key_bytes_read(end)
         row = self.store.shape_prefix[1] * self.store.head_dim * self.store.element_size
         clustered = end // self.segment * self.segment
-        summaries = clustered // self.cluster_size * 2  # a mean and a variance per cluster
-        return row * summaries, row * (self.keep_clusters * self.cluster_size + end - clustered)
+        clusters = clustered // self.cluster_size
+        keys = self.keep_clusters * self.cluster_size + end - clustered
+        if self._two_levels(clusters):  # a mean and a variance per node, then per cluster of the kept nodes
+            return row * 2 * (clusters // self.fanout), row * (2 * self.keep_nodes * self.fanout + keys)
+        return row * 2 * clusters, row * keys
 
     def select(self, query: torch.Tensor, candidates: Candidates, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         self.store.first_row(candidates.first_sequence, query.shape[0])  # ValueError for rows outside the batch
@@ -250,7 +304,7 @@ class ClusterSelector(Selector):
         usable_segments = ((end - origin).clamp(min=0) // self.segment).clamp(max=self.segments[rows])
         own_clusters = int(usable_segments.max()) * per_segment
         # the shared segments that end before `end` (the last ones may reach into the local window)
-        shared_segments = 0 if self.shared is None else min(self.shared[0].shape[2] // per_segment,
+        shared_segments = 0 if self.shared is None else min(self.shared["means"].shape[2] // per_segment,
                                                              max(0, (end - self.shared_origin) // self.segment))
         shared_clusters = shared_segments * per_segment
         shared_end = self.shared_origin + shared_segments * self.segment
@@ -265,27 +319,24 @@ class ClusterSelector(Selector):
             positions = tail.expand(batch, kv_heads, -1)
             return positions, tail_usable[:, None, :].expand(batch, kv_heads, -1)
         scaled = query.reshape(batch, kv_heads, group, dim) * scaling
-        scores, members, exists = [], [], []
-        if shared_clusters:  # every sequence's queries against the shared clusters: one product
-            means, variances, shared_members = self.shared
-            if shared_clusters < means.shape[2]:  # (a prefix view would be copied whole by the batched product)
-                means, variances, shared_members = (part[:, :, :shared_clusters].contiguous() for part in self.shared)
-            stacked = scaled.transpose(0, 1).reshape(1, kv_heads, batch * group, dim)
-            score = self._cluster_scores(stacked, means, variances)[0]
-            scores.append(score.view(kv_heads, batch, group, -1).transpose(0, 1))
-            members.append(shared_members.expand(batch, -1, -1, -1))
-            exists.append(torch.ones(batch, shared_clusters, dtype=torch.bool))
-        if own_clusters:
-            scores.append(self._cluster_scores(scaled, self.means[rows], self.variances[rows]))
-            members.append(self.members[rows])
-            exists.append(torch.arange(self._capacity)[None, :] < (usable_segments * per_segment)[:, None])
-        score, exists = torch.cat(scores, dim=-1), torch.cat(exists, dim=-1)  # (b, H_kv, G, clusters), (b, clusters)
-        score.masked_fill_(~exists[:, None, None, :], float("-inf"))
-        score -= torch.logsumexp(score, dim=-1, keepdim=True)  # each head's share (cluster sizes are equal)
-        score = torch.logsumexp(score, dim=2)  # (b, H_kv, clusters): combined over the GQA group
-        top = torch.topk(score, min(self.keep_clusters, own_clusters + shared_clusters), dim=-1, sorted=False).indices
-        chosen = torch.gather(exists[:, None, :].expand(batch, kv_heads, -1), 2, top)  # (b, H_kv, m)
-        members = members[0] if len(members) == 1 else torch.cat(members, dim=2)
+        # the sources of clusters, in order: the shared prefix's (batch 1), then each sequence's own
+        sources = []  # (parts, clusters used, (b, clusters used) bool: built and selectable)
+        if shared_clusters:
+            sources.append((self.shared, shared_clusters, torch.ones(batch, shared_clusters, dtype=torch.bool)))
+        if own_clusters:  # every allocated cluster (a contiguous product); those not built yet do not exist
+            own = {name: part[rows] for name, part in self.parts.items()}
+            built = torch.arange(self._capacity)[None, :] < (usable_segments * per_segment)[:, None]
+            sources.append((own, self._capacity, built))
+        if self._two_levels(own_clusters + shared_clusters):
+            summaries, exists, members = self._clusters_of_best_nodes(scaled, sources)
+        else:
+            summaries = [(parts["means"][:, :, :used], parts["variances"][:, :, :used]) for parts, used, _ in sources]
+            exists = torch.cat([built for _, _, built in sources], dim=-1)[:, None, :].expand(batch, kv_heads, -1)
+            members = torch.cat([parts["members"][:, :, :used].expand(batch, -1, -1, -1)
+                                 for parts, used, _ in sources], dim=2)
+        score = self._combined_scores(scaled, summaries, exists)  # (b, H_kv, clusters)
+        top = torch.topk(score, min(self.keep_clusters, score.shape[-1]), dim=-1, sorted=False).indices
+        chosen = torch.gather(exists, 2, top)  # (b, H_kv, m)
         picked = torch.gather(members, 2, top[..., None].expand(-1, -1, -1, self.cluster_size))
         picked = torch.where(chosen[..., None], picked, 0).flatten(2).long()
         picked_usable = chosen.repeat_interleave(self.cluster_size, dim=-1) & torch.gather(
@@ -294,21 +345,74 @@ class ClusterSelector(Selector):
         usable = torch.cat([picked_usable, tail_usable[:, None, :].expand(batch, kv_heads, -1)], dim=-1)
         return positions, usable
 
+    def _clusters_of_best_nodes(self, scaled: torch.Tensor, sources: list) -> tuple[list, torch.Tensor, torch.Tensor]:
+        """Two levels: score every node of `sources`, keep the `keep_nodes` best per (sequence, KV head), and return
+        their clusters' `[(means, variances)]` `(b, H_kv, keep_nodes × fanout, D)`, whether each exists `(b, H_kv,
+        keep_nodes × fanout)` and their members `(b, H_kv, keep_nodes × fanout, cluster_size)`."""
+        batch, kv_heads = scaled.shape[:2]
+        fanout = self.fanout
+        nodes = [(parts["node_means"][:, :, : used // fanout], parts["node_variances"][:, :, : used // fanout])
+                 for parts, used, _ in sources]
+        node_exists = torch.cat([built[:, ::fanout] for _, _, built in sources], dim=-1)
+        node_exists = node_exists[:, None, :].expand(batch, kv_heads, -1)
+        node_score = self._combined_scores(scaled, nodes, node_exists)
+        top = torch.topk(node_score, self.keep_nodes, dim=-1, sorted=False).indices  # (b, H_kv, n)
+        exists = torch.gather(node_exists, 2, top).repeat_interleave(fanout, dim=-1)
+        # each kept node's clusters, as rows of `fanout` consecutive clusters from the source that holds it
+        gathered = {}
+        first = 0
+        for parts, used, _ in sources:
+            total = parts["means"].shape[2] // fanout  # nodes per (sequence, KV head) in this source's tensors
+            local = (top - first).clamp(0, used // fanout - 1)
+            row = torch.arange(batch)[:, None, None] if parts["means"].shape[0] > 1 else 0
+            flat = ((row * kv_heads + torch.arange(kv_heads)[None, :, None]) * total + local).flatten()
+            inside = ((top >= first) & (top < first + used // fanout))[..., None, None]
+            for name in ("means", "variances", "members"):
+                part = parts[name]
+                rows_of_nodes = part.reshape(-1, fanout * part.shape[-1]).index_select(0, flat)
+                rows_of_nodes = rows_of_nodes.view(batch, kv_heads, -1, fanout, part.shape[-1])
+                previous = gathered.get(name)
+                gathered[name] = rows_of_nodes if previous is None else torch.where(inside, rows_of_nodes, previous)
+            first += used // fanout
+        flat_clusters = {name: value.flatten(2, 3) for name, value in gathered.items()}
+        return [(flat_clusters["means"], flat_clusters["variances"])], exists, flat_clusters["members"]
+
+    def _combined_scores(self, scaled: torch.Tensor, summaries: list, exists: torch.Tensor) -> torch.Tensor:
+        """`(b, H_kv, n)` float32 score of each summarised group (cluster or node) for the queries `scaled` `(b,
+        H_kv, G, D)`: each query head's `_cluster_scores`, normalised by their log-sum-exp over the groups (their
+        sizes are equal), combined over the GQA group by log-sum-exp; -inf where `exists` `(b, H_kv, n)` is False.
+
+        `summaries` lists `(means, variances)` pairs concatenated along the groups; a pair of batch 1 is shared by
+        every sequence (one product for all their queries)."""
+        batch, kv_heads, group, dim = scaled.shape
+        scores = []
+        for means, variances in summaries:
+            if means.shape[0] == 1 and batch > 1:  # every sequence's queries against shared summaries: one product
+                stacked = scaled.transpose(0, 1).reshape(1, kv_heads, batch * group, dim)
+                score = self._cluster_scores(stacked, means, variances)[0]
+                scores.append(score.view(kv_heads, batch, group, -1).transpose(0, 1))
+            else:
+                scores.append(self._cluster_scores(scaled, means, variances))
+        score = torch.cat(scores, dim=-1) if len(scores) > 1 else scores[0]
+        score = score.masked_fill(~exists[:, :, None, :], float("-inf"))
+        score -= torch.logsumexp(score, dim=-1, keepdim=True)  # each head's share
+        return torch.logsumexp(score, dim=2)
+
     @staticmethod
     def _cluster_scores(scaled: torch.Tensor, means: torch.Tensor, variances: torch.Tensor) -> torch.Tensor:
         """`(b, H_kv, G, clusters)` float32 `s·(q·μ) + SPREAD·sqrt(s²·(q²·v))` for scaled queries `(b, H_kv, G, D)`
-        against contiguous `(b, H_kv, clusters, D)` means and variances."""
+        against `(b, H_kv, clusters, D)` means and variances."""
+        means, variances = means.contiguous(), variances.contiguous()  # (a batched product of a view copies it)
         center = products(scaled.to(means.dtype), means)
         spread = products(scaled.square().to(means.dtype), variances)
         return spread.float().clamp_(min=0).sqrt_().mul_(SPREAD).add_(center)
 
     @property
     def host_bytes(self) -> int:
-        parts = [] if self.shared is None else [*self.shared]
-        parts += [] if self.means is None else [self.means, self.variances, self.members]
+        parts = [*(self.shared or {}).values(), *(self.parts or {}).values()]
         return sum(part.nbytes for part in parts)
 
     def free(self) -> None:
-        self.means = self.variances = self.members = self.shared = None
+        self.parts = self.shared = None
         self._capacity = 0
         self.segments = torch.zeros_like(self.segments)
