@@ -80,7 +80,8 @@ class DualDecoderConfig:
             `cluster_segment / cluster_size`); a step scores every node and only the best nodes' clusters. 1: one
             level (every cluster is scored).
         cluster_node_factor: `selector="clusters"` with `cluster_fanout` > 1: nodes kept per (sequence, KV head)
-            = `cluster_node_factor ×` (clusters kept) `/ cluster_fanout`.
+            = `ceil(cluster_node_factor ×` (clusters kept) `/ cluster_fanout)`. Where that is every node (short
+            contexts), the one-level path runs; the nodes' summaries are kept all the same.
         shortlist_channels: `selector="shortlist"`: query channels scored per KV head in the first stage; None =
             `max(1, head_dim // 8)` (values above `head_dim` act as `head_dim`).
         shortlist_factor: `selector="shortlist"` keeps `shortlist_factor × budget` positions per KV head for the

@@ -208,6 +208,22 @@ def test_two_levels_select_what_a_loop_reference_selects(seed, fanout, node_fact
     selector.free()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_levels_select_for_any_run_of_sequences_as_for_the_whole_batch(dtype):
+    g = torch.Generator().manual_seed(24)
+    keys = torch.randn(4, 2, 420, 16, generator=g).to(dtype)
+    starts = torch.tensor([0, 29, 70, 130])  # left padding: each row's segments start at its first real token
+    query = torch.randn(4, 4, 16, generator=g)
+    selector = _clusters(_store(keys), budget=8, **TWO_LEVELS)
+    mask = torch.arange(400)[None, :] >= starts[:, None] + 2
+    whole = selector.select(query, Candidates(mask, starts), 0.25)
+    for first, count in ((1, 3), (2, 2), (3, 1)):
+        rows = slice(first, first + count)
+        part = selector.select(query[rows], Candidates(mask[rows], starts[rows], first), 0.25)
+        assert torch.equal(part[1], whole[1][rows])
+        assert torch.equal(part[0][part[1]], whole[0][rows][part[1]])
+
+
 @pytest.mark.parametrize("levels", [{}, TWO_LEVELS])
 def test_a_shared_prefix_selects_what_each_sequence_with_its_own_copy_selects(levels):
     g = torch.Generator().manual_seed(23)

@@ -118,7 +118,8 @@ class ClusterSelector(Selector):
 
     @property
     def keep_nodes(self) -> int:
-        """Nodes whose clusters are scored per (sequence, KV head) with two levels."""
+        """Nodes whose clusters are scored per (sequence, KV head) with two levels: `ceil(cluster_node_factor ×
+        keep_clusters / cluster_fanout)`."""
         return max(1, -(-self.config.cluster_node_factor * self.keep_clusters // self.fanout))
 
     def _two_levels(self, clusters: int) -> bool:
@@ -347,8 +348,9 @@ class ClusterSelector(Selector):
 
     def _clusters_of_best_nodes(self, scaled: torch.Tensor, sources: list) -> tuple[list, torch.Tensor, torch.Tensor]:
         """Two levels: score every node of `sources`, keep the `keep_nodes` best per (sequence, KV head), and return
-        their clusters' `[(means, variances)]` `(b, H_kv, keep_nodes × fanout, D)`, whether each exists `(b, H_kv,
-        keep_nodes × fanout)` and their members `(b, H_kv, keep_nodes × fanout, cluster_size)`."""
+        their clusters' `[(means, variances)]` `(b, H_kv, keep_nodes × fanout, D)` in the store's dtype, whether each
+        exists `(b, H_kv, keep_nodes × fanout)` bool, and their members `(b, H_kv, keep_nodes × fanout,
+        cluster_size)` int32 positions."""
         batch, kv_heads = scaled.shape[:2]
         fanout = self.fanout
         nodes = [(parts["node_means"][:, :, : used // fanout], parts["node_variances"][:, :, : used // fanout])

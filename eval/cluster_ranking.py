@@ -1,0 +1,160 @@
+"""How much of the cluster index's recall loss comes from ranking clusters by their summaries, on real keys.
+
+    python -m dual_cache.eval.cluster_ranking --model gemma3-270m --tokens 16384 --seeds 0 --factors 8 16 \
+        --out results/selection/gemma3-270m-16k-cluster-ranking
+
+The index (`selector="clusters"`) shortlists the members of the `cluster_factor × budget / cluster_size` clusters
+whose summary score (mean logit + 2σ, `selectors/clusters.py`) is highest, then picks the budget by exact attention
+mass among them. This tool keeps the same clusters and the same exact stage and changes only the ranking: `summary`
+(the index's own score: its selections equal `ClusterSelector.select`) against `max` (each cluster ranked by the
+largest logit among its members, per query head, combined over the GQA group as the index combines its scores — an
+oracle that reads every key). Recall is as in `selection_recall`: the selected entries' attention mass over the exact
+top-`budget`'s, per (layer ≥ `--skip-layers`, KV head, query of the last `--queries` prompt positions).
+
+One run gives the ceiling of any summary score with these clusters: if `max` is near 1.0, the partition holds the
+top keys together and a better cluster score (or cheap per-member scoring) is what recall needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from ..config import DualDecoderConfig
+from ..host_store import HostKVStore
+from ..models import model_display_name
+from ..retrieval import group_attention_mass
+from ..selectors import Candidates
+from ..selectors.base import select_in_shortlist
+from ..selectors.clusters import ClusterSelector
+from .needle import format_chat, make_needle_prompt
+from .needle_sweep import load_tool_model, parse_seeds, threads_arg
+from .outputs import write_rows_and_table
+from .selection_recall import record_prefill
+
+RANKINGS = ("summary", "max")
+
+
+def ranking_recalls(queries: torch.Tensor, keys: torch.Tensor, scaling: float, budget: int, factors: list[int],
+                    n_sink: int = 4, window: int = 64, **options) -> dict[tuple[str, int], torch.Tensor]:
+    """Recall of each (ranking, cluster_factor) for one layer.
+
+    Args:
+        queries: `(1, H_q, Q, D)` float32, the last `Q` positions' queries; keys: `(1, H_kv, n, D)` float32.
+        scaling: softmax scale; budget: entries per KV head (tokens); factors: `cluster_factor` values.
+        n_sink, window: positions `< n_sink` and the `window` positions before each query are not candidates.
+        options: other `DualDecoderConfig` cluster fields (`cluster_size`, `cluster_segment`).
+
+    Returns:
+        `{(ranking, factor): (Q·H_kv,) float32 recall}`.
+    """
+    n, count = keys.shape[2], queries.shape[2]
+    kv_heads, dim = keys.shape[1], keys.shape[3]
+    store = HostKVStore(1, kv_heads, dim, torch.float32, chunk_tokens=4096)
+    store.reserve(n)
+    store.append(keys, keys)
+    config = DualDecoderConfig(selector="clusters", cluster_min_context=0, **options)
+    index = ClusterSelector(config, budget, store, "cpu")
+    index.extend(n, torch.zeros(1, dtype=torch.long))
+    size, per_segment = config.cluster_size, config.cluster_segment // config.cluster_size
+    group = queries.shape[1] // kv_heads
+    out: dict[tuple[str, int], list[torch.Tensor]] = {(r, f): [] for r in RANKINGS for f in factors}
+    try:
+        for j in range(count):
+            hi = n - count + j - window
+            mask = torch.arange(hi)[None, :] >= n_sink
+            query = queries[:, :, j]
+            mass = group_attention_mass(query, store.key_chunks(hi), mask, scaling)  # (1, H_kv, hi)
+            best = torch.topk(mass, min(budget, hi), dim=-1).values.sum(-1)
+            clusters = min(hi // config.cluster_segment, int(index.segments[0])) * per_segment
+            members = index.parts["members"][:, :, :clusters].long()  # (1, H_kv, clusters, size)
+            tail = torch.arange(clusters * size, hi)
+            scaled = query.reshape(1, kv_heads, group, dim) * scaling
+            exists = torch.ones(1, kv_heads, clusters, dtype=torch.bool)
+            member_keys = torch.gather(keys[:, :, :hi], 2, members.flatten(2)[..., None].expand(-1, -1, -1, dim))
+            logits = torch.einsum("bhgd,bhnd->bhgn", scaled, member_keys).view(1, kv_heads, group, clusters, size)
+            peak = logits.amax(-1)
+            scores = {
+                "summary": index._combined_scores(scaled, [(index.parts["means"][:, :, :clusters],
+                                                            index.parts["variances"][:, :, :clusters])], exists),
+                "max": torch.logsumexp(peak - torch.logsumexp(peak, dim=-1, keepdim=True), dim=2),
+            }
+            for ranking, score in scores.items():
+                for factor in factors:
+                    keep = min(clusters, max(1, factor * budget // size))
+                    top = torch.topk(score, keep, dim=-1).indices
+                    picked = torch.gather(members, 2, top[..., None].expand(-1, -1, -1, size)).flatten(2)
+                    positions = torch.cat([picked, tail.expand(1, kv_heads, -1)], dim=-1)
+                    usable = torch.gather(mask[:, None, :].expand(1, kv_heads, hi), 2, positions)
+                    indices, valid = select_in_shortlist(store, query, positions, usable, 0, budget, scaling)
+                    out[ranking, factor].append(((torch.gather(mass, 2, indices) * valid).sum(-1) / best)[0])
+    finally:
+        index.free()
+        store.free()
+    return {key: torch.cat(values) for key, values in out.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=8192, help="prompt length (tokens)")
+    parser.add_argument("--seeds", default="0", help="needle prompts, e.g. 0-3 or 0,5")
+    parser.add_argument("--budget", type=int, default=256, help="tokens per KV head")
+    parser.add_argument("--factors", type=int, nargs="+", default=[8], help="cluster_factor values")
+    parser.add_argument("--options", type=json.loads, default={},
+                        help='cluster options as JSON, e.g. \'{"cluster_size": 8}\'')
+    parser.add_argument("--queries", type=int, default=16, help="last prompt positions whose queries are scored")
+    parser.add_argument("--skip-layers", type=int, default=2, help="leave out the first layers (larger budget)")
+    parser.add_argument("--threads", type=threads_arg, default=None, help="torch intra-op threads")
+    parser.add_argument("--model", default=None, help="named model (gemma3-270m), folder or .gguf (default: embedded)")
+    parser.add_argument("--out", default=None, help="output path without extension (writes .json and .md)")
+    args = parser.parse_args(argv)
+    try:
+        seeds = parse_seeds(args.seeds)
+        if args.tokens < 4 * args.budget or args.budget < 1 or args.queries < 1 or min(args.factors) < 1:
+            raise ValueError("--tokens must be >= 4 × --budget, and --budget, --queries, --factors >= 1.")
+        if not isinstance(args.options, dict) or set(args.options) - {"cluster_size", "cluster_segment"}:
+            raise ValueError("--options takes a JSON object with cluster_size and/or cluster_segment.")
+        try:
+            DualDecoderConfig(selector="clusters", **args.options)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"--options: {error}") from None
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    model, tokenizer = load_tool_model(args.threads, args.model)
+    results: dict[tuple[str, int], list[torch.Tensor]] = {}
+    for seed in seeds:
+        prompt = make_needle_prompt(tokenizer, args.tokens, seed=seed)
+        layers = record_prefill(model, torch.tensor([format_chat(tokenizer, prompt.text)]), args.queries)
+        for layer, (queries, keys, scaling) in sorted(layers.items()):
+            if layer >= args.skip_layers:
+                found = ranking_recalls(queries, keys, scaling, args.budget, args.factors, **args.options)
+                for key, recall in found.items():
+                    results.setdefault(key, []).append(recall)
+        print(f"seed {seed}: {len(layers)} full-attention layers recorded", flush=True)
+    rows = []
+    for (ranking, factor), parts in results.items():
+        recall = torch.cat(parts)
+        rows.append({"ranking": ranking, "cluster_factor": factor, "options": args.options,
+                     "mean": recall.mean().item(), "p10": recall.quantile(0.1).item(), "min": recall.min().item(),
+                     "samples": recall.numel()})
+    lines = [f"Recall of the exact top-{args.budget} attention mass by cluster ranking; {model_display_name(args.model)}, "
+             f"word-needle prompts of {args.tokens} tokens, seeds {args.seeds}, the last {args.queries} prompt "
+             f"positions' queries, full-attention layers {args.skip_layers}+ × KV heads; cluster options "
+             f"{json.dumps(args.options) if args.options else 'default'}. `summary`: the index's own score; `max`: "
+             "each cluster's largest member logit (an oracle reading every key).", "",
+             "| ranking | cluster_factor | mean | p10 | min |", "|---|---|---|---|---|"]
+    lines += [f"| {r['ranking']} | {r['cluster_factor']} | {r['mean']:.4f} | {r['p10']:.4f} | {r['min']:.4f} |"
+              for r in rows]
+    table = "\n".join(lines) + "\n"
+    print(table)
+    if args.out:
+        write_rows_and_table(args.out, rows, table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
