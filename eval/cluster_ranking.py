@@ -30,10 +30,8 @@ from ..retrieval import group_attention_mass
 from ..selectors import Candidates
 from ..selectors.base import select_in_shortlist
 from ..selectors.clusters import ClusterSelector
-from .needle import format_chat, make_needle_prompt
-from .needle_sweep import load_tool_model, parse_seeds, threads_arg
 from .outputs import write_rows_and_table
-from .selection_recall import record_prefill
+from .selection_recall import add_recording_arguments, check_recording_arguments, recorded_layers
 
 RANKINGS = ("summary", "max")
 
@@ -99,22 +97,15 @@ def ranking_recalls(queries: torch.Tensor, keys: torch.Tensor, scaling: float, b
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=8192, help="prompt length (tokens)")
-    parser.add_argument("--seeds", default="0", help="needle prompts, e.g. 0-3 or 0,5")
-    parser.add_argument("--budget", type=int, default=256, help="tokens per KV head")
+    add_recording_arguments(parser, seeds="0")
     parser.add_argument("--factors", type=int, nargs="+", default=[8], help="cluster_factor values")
     parser.add_argument("--options", type=json.loads, default={},
                         help='cluster options as JSON, e.g. \'{"cluster_size": 8}\'')
-    parser.add_argument("--queries", type=int, default=16, help="last prompt positions whose queries are scored")
-    parser.add_argument("--skip-layers", type=int, default=2, help="leave out the first layers (larger budget)")
-    parser.add_argument("--threads", type=threads_arg, default=None, help="torch intra-op threads")
-    parser.add_argument("--model", default=None, help="named model (gemma3-270m), folder or .gguf (default: embedded)")
-    parser.add_argument("--out", default=None, help="output path without extension (writes .json and .md)")
     args = parser.parse_args(argv)
     try:
-        seeds = parse_seeds(args.seeds)
-        if args.tokens < 4 * args.budget or args.budget < 1 or args.queries < 1 or min(args.factors) < 1:
-            raise ValueError("--tokens must be >= 4 × --budget, and --budget, --queries, --factors >= 1.")
+        seeds = check_recording_arguments(args)
+        if min(args.factors) < 1:
+            raise ValueError("--factors must be >= 1.")
         if not isinstance(args.options, dict) or set(args.options) - {"cluster_size", "cluster_segment"}:
             raise ValueError("--options takes a JSON object with cluster_size and/or cluster_segment.")
         try:
@@ -124,17 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    model, tokenizer = load_tool_model(args.threads, args.model)
     results: dict[tuple[str, int], list[torch.Tensor]] = {}
-    for seed in seeds:
-        prompt = make_needle_prompt(tokenizer, args.tokens, seed=seed)
-        layers = record_prefill(model, torch.tensor([format_chat(tokenizer, prompt.text)]), args.queries)
-        for layer, (queries, keys, scaling) in sorted(layers.items()):
-            if layer >= args.skip_layers:
-                found = ranking_recalls(queries, keys, scaling, args.budget, args.factors, **args.options)
-                for key, recall in found.items():
-                    results.setdefault(key, []).append(recall)
-        print(f"seed {seed}: {len(layers)} full-attention layers recorded", flush=True)
+    for _, queries, keys, scaling in recorded_layers(args, seeds):
+        for key, recall in ranking_recalls(queries, keys, scaling, args.budget, args.factors, **args.options).items():
+            results.setdefault(key, []).append(recall)
     rows = []
     for (ranking, factor), parts in results.items():
         recall = torch.cat(parts)

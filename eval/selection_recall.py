@@ -131,39 +131,57 @@ def layer_recalls(queries: torch.Tensor, keys: torch.Tensor, scaling: float, bud
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_recording_arguments(parser: argparse.ArgumentParser, seeds: str = "0-3") -> None:
+    """The arguments of a tool that scores selections on recorded needle prefills: --tokens, --seeds, --budget,
+    --queries, --skip-layers, --threads, --model, --out."""
     parser.add_argument("--tokens", type=int, default=8192, help="prompt length (tokens)")
-    parser.add_argument("--seeds", default="0-3", help="needle prompts, e.g. 0-3 or 0,5")
+    parser.add_argument("--seeds", default=seeds, help="needle prompts, e.g. 0-3 or 0,5")
     parser.add_argument("--budget", type=int, default=256, help="tokens per KV head")
-    parser.add_argument("--configs", nargs="+", default=["clusters", "shortlist", "quest:{\"block_size\": 16}"],
-                        help="selector[:JSON options] per configuration")
     parser.add_argument("--queries", type=int, default=16, help="last prompt positions whose queries are scored")
     parser.add_argument("--skip-layers", type=int, default=2, help="leave out the first layers (larger budget)")
     parser.add_argument("--threads", type=threads_arg, default=None, help="torch intra-op threads")
     parser.add_argument("--model", default=None, help="named model (gemma3-270m), folder or .gguf (default: embedded)")
     parser.add_argument("--out", default=None, help="output path without extension (writes .json and .md)")
-    args = parser.parse_args(argv)
-    try:
-        seeds = parse_seeds(args.seeds)
-        configs = [parse_config(text) for text in args.configs]
-        if args.tokens < 4 * args.budget or args.budget < 1 or args.queries < 1:
-            raise ValueError("--tokens must be >= 4 × --budget, and --budget, --queries >= 1.")
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+
+
+def check_recording_arguments(args: argparse.Namespace) -> list[int]:
+    """The seeds of `args` (from `add_recording_arguments`); raises `ValueError` naming the argument to change."""
+    seeds = parse_seeds(args.seeds)
+    if args.tokens < 4 * args.budget or args.budget < 1 or args.queries < 1:
+        raise ValueError("--tokens must be >= 4 × --budget, and --budget, --queries >= 1.")
+    return seeds
+
+
+def recorded_layers(args: argparse.Namespace, seeds: list[int]):
+    """Yield `(layer, queries, keys, scaling)` (as `record_prefill`) for every full-attention layer from
+    `--skip-layers` of each seed's needle prefill, loading `--model` once."""
     model, tokenizer = load_tool_model(args.threads, args.model)
-    n_sink, window = 4, 64
-    results: dict[int, list[dict]] = {i: [] for i in range(len(configs))}
     for seed in seeds:
         prompt = make_needle_prompt(tokenizer, args.tokens, seed=seed)
         layers = record_prefill(model, torch.tensor([format_chat(tokenizer, prompt.text)]), args.queries)
         for layer, (queries, keys, scaling) in sorted(layers.items()):
-            if layer < args.skip_layers:
-                continue
-            for index, value in layer_recalls(queries, keys, scaling, args.budget, configs, n_sink, window).items():
-                results[index].append(value)
+            if layer >= args.skip_layers:
+                yield layer, queries, keys, scaling
         print(f"seed {seed}: {len(layers)} full-attention layers recorded", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_recording_arguments(parser)
+    parser.add_argument("--configs", nargs="+", default=["clusters", "shortlist", "quest:{\"block_size\": 16}"],
+                        help="selector[:JSON options] per configuration")
+    args = parser.parse_args(argv)
+    try:
+        seeds = check_recording_arguments(args)
+        configs = [parse_config(text) for text in args.configs]
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    n_sink, window = 4, 64
+    results: dict[int, list[dict]] = {i: [] for i in range(len(configs))}
+    for _, queries, keys, scaling in recorded_layers(args, seeds):
+        for index, value in layer_recalls(queries, keys, scaling, args.budget, configs, n_sink, window).items():
+            results[index].append(value)
     rows = []
     for index, (name, options) in enumerate(configs):
         parts = results[index]
