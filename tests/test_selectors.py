@@ -271,14 +271,15 @@ def test_bad_index_options_are_refused_before_any_work(options, message):
     assert live_host_bytes() == before
 
 
-def test_generate_with_the_index_full_budget_threads_and_host_bytes():
+@pytest.mark.parametrize("levels", [{}, TWO_LEVELS])
+def test_generate_with_the_index_full_budget_threads_and_host_bytes(levels):
     model = six_layer_llama(seed=12)
     ids = torch.randint(3, 90, (2, 300), generator=torch.Generator().manual_seed(13))
     mask = torch.ones_like(ids)
     mask[1, :40] = 0
     kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False)
     index = {"selector": "clusters", "cluster_size": 4, "cluster_segment": 32, "cluster_factor": 2,
-             "cluster_min_context": 0}
+             "cluster_min_context": 0, **levels}  # two levels: 3 of 32+ nodes kept
     dense = model.generate(ids, **kwargs)
     full = model.generate(ids, cache_implementation="dual", cache_config={**index, "budget": 4096, "window": 8},
                           **kwargs)
