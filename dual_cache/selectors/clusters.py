@@ -246,16 +246,14 @@ class ClusterSelector(Selector):
         flat = keys.reshape(-1, self.segment, dim)
         order = balanced_clusters(flat, self.cluster_size)
         clustered = torch.gather(flat.float(), 1, order[..., None].expand(-1, -1, dim))
-        built = {"means": clustered.view(len(todo), kv_heads, per_segment, self.cluster_size, dim),
-                 "members": (order.view(len(todo), kv_heads, per_segment, self.cluster_size)
-                             + starts.view(-1, 1, 1, 1)).to(torch.int32)}
+        groups = {"": clustered.view(len(todo), kv_heads, per_segment, self.cluster_size, dim)}  # (n, H, c, C, D)
         if self.fanout > 1:  # a node: `fanout` consecutive clusters, a subtree of the partition
-            built["node_means"] = clustered.view(len(todo), kv_heads, per_segment // self.fanout, -1, dim)
-        for name in ("means", "node_means"):
-            if name in built:
-                grouped = built[name]
-                built[name] = grouped.mean(dim=3).to(self.store.dtype)
-                built[name.replace("means", "variances")] = grouped.var(dim=3, unbiased=False).to(self.store.dtype)
+            groups["node_"] = clustered.view(len(todo), kv_heads, per_segment // self.fanout, -1, dim)
+        built = {"members": (order.view(len(todo), kv_heads, per_segment, self.cluster_size)
+                             + starts.view(-1, 1, 1, 1)).to(torch.int32)}
+        for prefix, grouped in groups.items():
+            built[prefix + "means"] = grouped.mean(dim=3).to(self.store.dtype)
+            built[prefix + "variances"] = grouped.var(dim=3, unbiased=False).to(self.store.dtype)
         for i, (row, index) in enumerate(todo):
             for name, values in built.items():
                 width = values.shape[2]
