@@ -31,7 +31,7 @@ from ..selectors import Candidates
 from ..selectors.base import select_in_shortlist
 from ..selectors.clusters import ClusterSelector
 from .outputs import write_rows_and_table
-from .selection_recall import add_recording_arguments, check_recording_arguments, recorded_layers
+from .selection_recall import add_recording_arguments, check_recording_arguments, recall_summary, recorded_layers
 
 RANKINGS = ("summary", "max")
 
@@ -122,9 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for (ranking, factor), parts in results.items():
         recall = torch.cat(parts)
-        rows.append({"ranking": ranking, "cluster_factor": factor, "options": args.options,
-                     "mean": recall.mean().item(), "p10": recall.quantile(0.1).item(), "min": recall.min().item(),
-                     "samples": recall.numel()})
+        rows.append({"ranking": ranking, "cluster_factor": factor, "options": args.options, **recall_summary(recall)})
     lines = [f"Recall of the exact top-{args.budget} attention mass by cluster ranking; {model_display_name(args.model)}, "
              f"word-needle prompts of {args.tokens} tokens, seeds {args.seeds}, the last {args.queries} prompt "
              f"positions' queries, full-attention layers {args.skip_layers}+ × KV heads; cluster options "

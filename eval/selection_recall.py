@@ -165,6 +165,12 @@ def recorded_layers(args: argparse.Namespace, seeds: list[int]):
         print(f"seed {seed}: {len(layers)} full-attention layers recorded", flush=True)
 
 
+def recall_summary(recall: torch.Tensor) -> dict:
+    """`{"mean", "p10", "min", "samples"}` of a float tensor of recalls (fractions of the exact top-k mass)."""
+    return {"mean": recall.mean().item(), "p10": recall.quantile(0.1).item(), "min": recall.min().item(),
+            "samples": recall.numel()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_recording_arguments(parser)
@@ -187,8 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         parts = results[index]
         recall = torch.cat([p["recall"] for p in parts])
         rows.append({
-            "selector": name, "options": options, "mean": recall.mean().item(), "p10": recall.quantile(0.1).item(),
-            "min": recall.min().item(), "samples": recall.numel(),
+            "selector": name, "options": options, **recall_summary(recall),
             "keys_read": sum(p["read"] for p in parts) / sum(p["exact_read"] for p in parts),
             "index_fraction": sum(p["index_bytes"] for p in parts) / sum(p["kv_bytes"] for p in parts),
             "build_ms_per_1k_tokens": 1e3 * sum(p["build_s"] for p in parts) / len(parts) / (args.tokens / 1000),

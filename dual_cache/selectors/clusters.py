@@ -330,9 +330,9 @@ class ClusterSelector(Selector):
             summaries, exists, members = self._clusters_of_best_nodes(scaled, sources)
         else:
             summaries = [(parts["means"][:, :, :used], parts["variances"][:, :, :used]) for parts, used, _ in sources]
-            exists = torch.cat([built for _, _, built in sources], dim=-1)[:, None, :].expand(batch, kv_heads, -1)
-            members = torch.cat([parts["members"][:, :, :used].expand(batch, -1, -1, -1)
-                                 for parts, used, _ in sources], dim=2)
+            exists = _joined([built for _, _, built in sources], dim=-1)[:, None, :].expand(batch, kv_heads, -1)
+            members = _joined([parts["members"][:, :, :used].expand(batch, -1, -1, -1)
+                               for parts, used, _ in sources], dim=2)
         score = self._combined_scores(scaled, summaries, exists)  # (b, H_kv, clusters)
         top = torch.topk(score, min(self.keep_clusters, score.shape[-1]), dim=-1, sorted=False).indices
         chosen = torch.gather(exists, 2, top)  # (b, H_kv, m)
@@ -353,7 +353,7 @@ class ClusterSelector(Selector):
         fanout = self.fanout
         nodes = [(parts["node_means"][:, :, : used // fanout], parts["node_variances"][:, :, : used // fanout])
                  for parts, used, _ in sources]
-        node_exists = torch.cat([built[:, ::fanout] for _, _, built in sources], dim=-1)
+        node_exists = _joined([built[:, ::fanout] for _, _, built in sources], dim=-1)
         node_exists = node_exists[:, None, :].expand(batch, kv_heads, -1)
         node_score = self._combined_scores(scaled, nodes, node_exists)
         top = torch.topk(node_score, self.keep_nodes, dim=-1, sorted=False).indices  # (b, H_kv, n)
@@ -393,8 +393,7 @@ class ClusterSelector(Selector):
                 scores.append(score.view(kv_heads, batch, group, -1).transpose(0, 1))
             else:
                 scores.append(self._cluster_scores(scaled, means, variances))
-        score = torch.cat(scores, dim=-1) if len(scores) > 1 else scores[0]
-        score = score.masked_fill(~exists[:, :, None, :], float("-inf"))
+        score = _joined(scores, dim=-1).masked_fill_(~exists[:, :, None, :], float("-inf"))  # a fresh tensor
         score -= torch.logsumexp(score, dim=-1, keepdim=True)  # each head's share
         return torch.logsumexp(score, dim=2)
 
@@ -416,3 +415,8 @@ class ClusterSelector(Selector):
         self.parts = self.shared = None
         self._capacity = 0
         self.segments = torch.zeros_like(self.segments)
+
+
+def _joined(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """`torch.cat(parts, dim)`, or the one part itself (a view, no copy: the decode step's sources are usually one)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
