@@ -8,11 +8,15 @@ whose summary score (mean logit + 2σ, `selectors/clusters.py`) is highest, then
 mass among them. This tool keeps the same clusters and the same exact stage and changes only the ranking: `summary`
 (the index's own score: its selections equal `ClusterSelector.select`) against `max` (each cluster ranked by the
 largest logit among its members, per query head, combined over the GQA group as the index combines its scores — an
-oracle that reads every key). Recall is as in `selection_recall`: the selected entries' attention mass over the exact
-top-`budget`'s, per (layer ≥ `--skip-layers`, KV head, query of the last `--queries` prompt positions).
+oracle that reads every key) and `codes` (the same largest logit, computed from 2-bit codes of each member's offset
+from its cluster mean, scaled by the cluster's per-channel standard deviation: what a per-member stage storing
+`D / 4` bytes per key could rank by; `two_bit_keys`). Recall is as in `selection_recall`: the selected entries'
+attention mass over the exact top-`budget`'s, per (layer ≥ `--skip-layers`, KV head, query of the last `--queries`
+prompt positions).
 
 One run gives the ceiling of any summary score with these clusters: if `max` is near 1.0, the partition holds the
-top keys together and a better cluster score (or cheap per-member scoring) is what recall needs.
+top keys together and a better cluster score (or cheap per-member scoring) is what recall needs; `codes` says how
+much of that ceiling a 2-bit per-member stage keeps.
 """
 
 from __future__ import annotations
@@ -33,7 +37,30 @@ from ..selectors.clusters import ClusterSelector
 from .outputs import write_rows_and_table
 from .selection_recall import add_recording_arguments, check_recording_arguments, recall_summary, recorded_layers
 
-RANKINGS = ("summary", "max")
+RANKINGS = ("summary", "max", "codes")
+# Lloyd-Max quantizer of a unit Gaussian with 4 levels (Max, 1960): ±inner below the threshold (the midpoint of the
+# two levels), ±outer above it
+TWO_BIT_THRESHOLD, TWO_BIT_LEVELS = 0.9816, (0.4528, 1.5104)
+
+
+def two_bit_keys(keys: torch.Tensor, means: torch.Tensor, variances: torch.Tensor) -> torch.Tensor:
+    """Member keys as a 2-bit per-member stage would see them: each channel of `(k - μ) / σ` (its cluster's mean and
+    per-channel standard deviation) rounded to the nearest of the 4 Lloyd-Max levels of a unit Gaussian, then
+    `μ + level·σ`.
+
+    Args:
+        keys: `(..., clusters, size, D)` float32 member keys; means, variances: `(..., clusters, D)` their clusters'
+            summaries (as the index stores them).
+
+    Returns:
+        `(..., clusters, size, D)` float32 reconstructed keys (2 bits per channel of information beyond the summary).
+    """
+    mean = means.float()[..., None, :]
+    spread = variances.float().clamp(min=0).sqrt()[..., None, :]
+    z = (keys - mean) / spread.clamp_min(1e-12)
+    inner, outer = TWO_BIT_LEVELS
+    level = torch.where(z.abs() > TWO_BIT_THRESHOLD, outer, inner) * torch.sign(z)
+    return mean + level * spread
 
 
 def ranking_recalls(queries: torch.Tensor, keys: torch.Tensor, scaling: float, budget: int, factors: list[int],
@@ -73,13 +100,11 @@ def ranking_recalls(queries: torch.Tensor, keys: torch.Tensor, scaling: float, b
             scaled = query.reshape(1, kv_heads, group, dim) * scaling
             exists = torch.ones(1, kv_heads, clusters, dtype=torch.bool)
             member_keys = torch.gather(keys[:, :, :hi], 2, members.flatten(2)[..., None].expand(-1, -1, -1, dim))
-            logits = torch.einsum("bhgd,bhnd->bhgn", scaled, member_keys).view(1, kv_heads, group, clusters, size)
-            peak = logits.amax(-1)
-            scores = {
-                "summary": index._combined_scores(scaled, [(index.parts["means"][:, :, :clusters],
-                                                            index.parts["variances"][:, :, :clusters])], exists),
-                "max": torch.logsumexp(peak - torch.logsumexp(peak, dim=-1, keepdim=True), dim=2),
-            }
+            member_keys = member_keys.view(1, kv_heads, clusters, size, dim)
+            means, variances = index.parts["means"][:, :, :clusters], index.parts["variances"][:, :, :clusters]
+            scores = {"summary": index._combined_scores(scaled, [(means, variances)], exists),
+                      "max": _largest_logit_scores(scaled, member_keys),
+                      "codes": _largest_logit_scores(scaled, two_bit_keys(member_keys, means, variances))}
             for ranking, score in scores.items():
                 for factor in factors:
                     keep = min(clusters, max(1, factor * budget // size))
@@ -93,6 +118,14 @@ def ranking_recalls(queries: torch.Tensor, keys: torch.Tensor, scaling: float, b
         index.free()
         store.free()
     return {key: torch.cat(values) for key, values in out.items()}
+
+
+def _largest_logit_scores(scaled: torch.Tensor, member_keys: torch.Tensor) -> torch.Tensor:
+    """`(1, H_kv, clusters)` score of each cluster: its members' largest logit per query head `scaled` `(1, H_kv, G,
+    D)`, normalised by its log-sum-exp over the clusters and combined over the GQA group by log-sum-exp (as the index
+    combines its summary scores); `member_keys` `(1, H_kv, clusters, size, D)` float32."""
+    peak = torch.einsum("bhgd,bhcsd->bhgcs", scaled, member_keys).amax(-1)
+    return torch.logsumexp(peak - torch.logsumexp(peak, dim=-1, keepdim=True), dim=2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
              f"word-needle prompts of {args.tokens} tokens, seeds {args.seeds}, the last {args.queries} prompt "
              f"positions' queries, full-attention layers {args.skip_layers}+ × KV heads; cluster options "
              f"{json.dumps(args.options) if args.options else 'default'}. `summary`: the index's own score; `max`: "
-             "each cluster's largest member logit (an oracle reading every key).", "",
+             "each cluster's largest member logit (an oracle reading every key); `codes`: that logit from 2-bit codes "
+             "of each member's offset from its cluster mean (`two_bit_keys`).", "",
              "| ranking | cluster_factor | mean | p10 | min |", "|---|---|---|---|---|"]
     lines += [f"| {r['ranking']} | {r['cluster_factor']} | {r['mean']:.4f} | {r['p10']:.4f} | {r['min']:.4f} |"
               for r in rows]

@@ -19,8 +19,8 @@ def test_summary_ranking_recalls_what_the_index_selects_and_every_cluster_gives_
     keys = torch.randn(1, 2, 600, 16, generator=g)
     queries = torch.randn(1, 4, 3, 16, generator=g)
     found = cluster_ranking.ranking_recalls(queries, keys, 0.25, 8, [2, 100], window=16, **OPTIONS)
-    assert set(found) == {(r, f) for r in ("summary", "max") for f in (2, 100)}
-    for ranking in ("summary", "max"):  # a shortlist of every cluster: the exact top-k
+    assert set(found) == {(r, f) for r in cluster_ranking.RANKINGS for f in (2, 100)}
+    for ranking in cluster_ranking.RANKINGS:  # a shortlist of every cluster: the exact top-k
         assert torch.allclose(found[ranking, 100], torch.ones(6))
     store = HostKVStore(1, 2, 16, torch.float32, chunk_tokens=4096)
     store.append(keys, keys)
@@ -34,6 +34,20 @@ def test_summary_ranking_recalls_what_the_index_selects_and_every_cluster_gives_
         recall = (torch.gather(mass, 2, indices) * valid).sum(-1) / torch.topk(mass, 8, dim=-1).values.sum(-1)
         assert torch.allclose(recall[0], found["summary", 2][2 * j : 2 * j + 2])
     assert found["summary", 2].min() < 1  # (the test's keys leave something to rank)
+
+
+def test_two_bit_keys_round_each_channel_to_the_nearest_gaussian_level_of_its_cluster():
+    g = torch.Generator().manual_seed(33)
+    keys = torch.randn(2, 3, 4, 5, generator=g) * 3 + 1  # (heads, clusters, size, D)
+    means, variances = torch.randn(2, 3, 5, generator=g), torch.rand(2, 3, 5, generator=g) + 0.1
+    found = cluster_ranking.two_bit_keys(keys, means, variances)
+    inner, outer = cluster_ranking.TWO_BIT_LEVELS
+    levels = [-outer, -inner, inner, outer]
+    for h, c, m, d in torch.cartesian_prod(*(torch.arange(n) for n in keys.shape)).tolist():
+        sigma = float(variances[h, c, d]) ** 0.5
+        z = (float(keys[h, c, m, d]) - float(means[h, c, d])) / sigma
+        nearest = min(levels, key=lambda level: abs(z - level))
+        assert found[h, c, m, d].item() == pytest.approx(float(means[h, c, d]) + nearest * sigma, rel=1e-5, abs=1e-5)
 
 
 def test_bad_arguments_exit_2_before_loading_a_model(capsys):
