@@ -24,6 +24,7 @@ from .outputs import write_rows_and_table
 
 METHODS = ("dense", "dual", "dual-no-drift", "dual-no-repair", "dual-none", "dual-exact", "dual-clusters",
            "dual-shortlist", "oracle")  # names of eval/methods.py's registry
+NEW_TOKENS = 24  # greedy tokens decoded per prompt
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -65,6 +66,15 @@ def load_tool_model(threads: int | None, name: str | None = None):
     return load_model(name)
 
 
+def check_positions(model, tokens: int) -> None:
+    """Raise `ValueError` (naming the largest usable `--tokens`) when a `tokens`-token prompt plus the `NEW_TOKENS`
+    decoded ones would pass the model's `max_position_embeddings` (checked before any prefill)."""
+    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if positions is not None and tokens + NEW_TOKENS > positions:
+        raise ValueError(f"--tokens {tokens} plus the {NEW_TOKENS} decoded tokens exceeds the model's {positions} "
+                         f"positions; use --tokens {positions - NEW_TOKENS} or less.")
+
+
 def run(model, tokenizer, tokens: int, seeds: list[int], budget: int, methods: list[str], log=print) -> list[dict]:
     """One row per seed: `seed`, `answer`, `prompt_tokens`, and per method `<m>` (bool) and `<m>_text`."""
     rows = []
@@ -77,7 +87,7 @@ def run(model, tokenizer, tokens: int, seeds: list[int], budget: int, methods: l
             kwargs = {} if options is None else {
                 "cache_implementation": "dual", "cache_config": {"n_sink": 4, "window": 64, **options}
             }
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, **kwargs)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False, **kwargs)
             text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
             row[name], row[f"{name}_text"] = prompt.answer in text, text
         rows.append(row)
@@ -117,6 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     model, tokenizer = load_tool_model(args.threads, args.model)
+    try:
+        check_positions(model, args.tokens)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     rows = run(model, tokenizer, args.tokens, seeds, args.budget, args.methods)
     table = markdown(rows, args.methods, args.tokens, args.budget, model_display_name(args.model))
     print(table)
