@@ -87,7 +87,8 @@ def run(model, tokenizer, tokens: int, seeds: list[int], budget: int, methods: l
             kwargs = {} if options is None else {
                 "cache_implementation": "dual", "cache_config": {"n_sink": 4, "window": 64, **options}
             }
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False, **kwargs)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 **kwargs)
             text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
             row[name], row[f"{name}_text"] = prompt.answer in text, text
         rows.append(row)

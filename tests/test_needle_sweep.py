@@ -35,7 +35,6 @@ def test_bad_arguments_exit_2_before_loading_a_model(capsys):
         needle_sweep.parse_seeds("5-2")
 
 
-
 def test_a_prompt_that_leaves_no_positions_for_the_answer_is_refused(embedded):
     model = embedded[0]
     needle_sweep.check_positions(model, 8192 - needle_sweep.NEW_TOKENS)  # the embedded model has 8,192 positions
