@@ -59,6 +59,8 @@ class DualDecoderConfig:
             results/needle/ (README). On CUDA each check reads a `(B,)` flag back to the host per layer (a
             synchronization point).
         selector: how each step's entries are chosen (`dual_cache.selectors`, one class per value):
+            `"lowbit"` a 2-bit copy of every key on the host, scanned by the native engine to shortlist
+            `lowbit_factor × budget` positions that are rescored exactly (`selectors/lowbit.py`);
             `"clusters"` a host-side index of balanced key clusters, exact top-k among the best clusters' keys
             (reads a small fraction of the keys; `selectors/clusters.py`); `"exact"` top-k over every host key
             (the reference); `"block"` block-level top-k; `"shortlist"` exact top-k among positions shortlisted
@@ -82,6 +84,8 @@ class DualDecoderConfig:
         cluster_node_factor: `selector="clusters"` with `cluster_fanout` > 1: nodes kept per (sequence, KV head)
             = `ceil(cluster_node_factor ×` (clusters kept) `/ cluster_fanout)`. Where that is every node (short
             contexts), the one-level path runs; the nodes' summaries are kept all the same.
+        lowbit_factor: `selector="lowbit"`: positions per KV head the 2-bit key scan shortlists for exact
+            rescoring, as a multiple of the budget.
         shortlist_channels: `selector="shortlist"`: query channels scored per KV head in the first stage; None =
             `max(1, head_dim // 8)` (values above `head_dim` act as `head_dim`).
         shortlist_factor: `selector="shortlist"` keeps `shortlist_factor × budget` positions per KV head for the
@@ -127,6 +131,7 @@ class DualDecoderConfig:
     cluster_min_context: int = 8192
     cluster_fanout: int = 1
     cluster_node_factor: int = 4
+    lowbit_factor: int = 4
     retrieval_threads: int | None = None
     prefill_chunk_size: int = 8192
     ngram_size: int = 3

@@ -64,6 +64,7 @@ def test_left_padded_batch_matches_single_prompt():
 @pytest.mark.parametrize("selector", [
     {}, {"selector": "block", "block_size": 4},
     {"selector": "shortlist", "shortlist_channels": 4, "shortlist_factor": 2},
+    {"selector": "lowbit", "lowbit_factor": 2},
 ])
 def test_partial_budget_selections_identical_alone_and_in_padded_batch(selector):
     model = tiny_llama(seed=18)

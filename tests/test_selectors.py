@@ -17,7 +17,7 @@ from tests.conftest import record_selections, six_layer_llama
 
 
 def test_every_selector_is_a_class_in_its_own_file_and_the_default_is_registered():
-    assert set(SELECTORS) == {"clusters", "exact", "block", "shortlist", "oracle", "quest"}
+    assert set(SELECTORS) == {"clusters", "exact", "lowbit", "block", "shortlist", "oracle", "quest"}
     assert DualDecoderConfig().selector in SELECTORS
     files = set()
     for name, cls in SELECTORS.items():

@@ -1,0 +1,130 @@
+"""Host selection engine: one call per (layer, step) chooses the top-`budget` entries of every (sequence, KV head).
+
+`select` runs the native engine (`selection_engine.cpp`, built and loaded by `native.py`; GIL released,
+multi-threaded over sequences and KV heads, CPU features detected at run time) or, where it cannot be built, the
+pure-torch reference (`reference.py`, which defines every number the engine computes). `codes.py` holds the 2-bit key
+index's storage format. The engine knows nothing of transformers, caches or selectors' policies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from . import native, reference
+from .codes import GROUP, padded_dim
+
+KEY_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@dataclass(frozen=True)
+class IndexView:
+    """The 2-bit key index of `b` sequences as the engine reads it (`codes.py`).
+
+    Attributes:
+        packed: `(b, H_kv, capacity, 16 · D_q)` uint8, contiguous per (sequence, KV head) (groups in order).
+        params: `(b, H_kv, capacity, 2, D_q)` bfloat16 per-channel minimum and step of each group.
+        group_first: `(b,)` int64 first position of each sequence's group 0.
+        n_groups: `(b,)` int64 complete groups indexed per sequence.
+    """
+
+    packed: torch.Tensor
+    params: torch.Tensor
+    group_first: torch.Tensor
+    n_groups: torch.Tensor
+
+    def usable(self, end: int) -> torch.Tensor:
+        """`(b,)` int64: the groups that lie wholly below `end`."""
+        fit = torch.div(end - self.group_first, GROUP, rounding_mode="floor").clamp_(min=0)
+        return torch.minimum(self.n_groups, fit)
+
+
+def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor], budget: int, scaling: float,
+           index: IndexView | None = None, shortlist: int = 0,
+           threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-`budget` positions per (sequence, KV head) by group attention mass, optionally among a shortlist.
+
+    Without `index` every candidate is scored exactly ("exact"). With it, a scan of the 2-bit codes shortlists
+    `shortlist` positions per (sequence, KV head); they and the candidates the index does not cover are scored
+    exactly (`reference.py` gives the definitions).
+
+    Args:
+        query: `(b, H_q, D)` float32 host queries (after RoPE); `H_q` a multiple of `H_kv`.
+        mask: `(b, end)` bool host, True at selectable positions.
+        keys: the host store's key chunks covering positions `[0, ≥ end)` in order, each `(b or 1, H_kv, n_i, D)`
+            float32 / bfloat16 / float16 with contiguous rows (a chunk of batch 1 is shared by every sequence).
+        budget: positions per (sequence, KV head); scaling: the softmax scale.
+        index: the sequences' 2-bit key index, or None.
+        shortlist: positions the scan keeps per (sequence, KV head).
+        threads: host threads (default `torch.get_num_threads()`); the result does not depend on it.
+
+    Returns:
+        `(indices, valid)`, both `(b, H_kv, budget)`: int64 positions, ascending where valid (0 elsewhere), bool.
+
+    Raises:
+        ValueError: on inconsistent shapes or dtypes (before any work).
+    """
+    batch, q_heads, dim = query.shape
+    kv_heads = keys[0].shape[1]
+    if query.dtype != torch.float32 or q_heads % kv_heads or mask.shape[0] != batch or mask.dtype != torch.bool:
+        raise ValueError(f"select needs float32 queries (b, H_q, D) with H_q a multiple of H_kv={kv_heads} and a "
+                         f"(b, end) bool mask; got query {tuple(query.shape)} {query.dtype}, mask "
+                         f"{tuple(mask.shape)} {mask.dtype}.")
+    if keys[0].dtype not in KEY_TYPES or any(c.shape[-1] != dim or c.stride(-1) != 1 or c.stride(-2) != dim
+                                             for c in keys):
+        raise ValueError(f"select needs float32/bfloat16/float16 key chunks with contiguous rows of {dim} channels.")
+    end = mask.shape[1]
+    if sum(c.shape[2] for c in keys) < end:
+        raise ValueError(f"The key chunks hold {sum(c.shape[2] for c in keys)} positions, fewer than end={end}.")
+    view = None
+    if index is not None:
+        view = (index.packed, index.params, index.group_first, index.usable(end))
+    library = native.library()
+    if library is None or budget == 0 or end == 0:
+        return reference.select(query, mask, keys, budget, scaling, view, shortlist)
+    return _native_select(library, query.contiguous(), mask.contiguous(), keys, budget, scaling, view, shortlist,
+                          torch.get_num_threads() if threads is None else threads)
+
+
+def _native_select(library, query, mask, keys, budget, scaling, view, shortlist, threads):
+    batch, q_heads, dim = query.shape
+    kv_heads = keys[0].shape[1]
+    element = keys[0].element_size()
+    starts, lengths, pointers = [], [], []
+    start = 0
+    rows = torch.arange(batch)[:, None] * 0
+    heads = torch.arange(kv_heads)[None, :]
+    for chunk in keys:
+        starts.append(start)
+        lengths.append(chunk.shape[2])
+        start += chunk.shape[2]
+        sequences = torch.arange(batch)[:, None] if chunk.shape[0] > 1 else rows
+        pointers.append(chunk.data_ptr() + (sequences * chunk.stride(0) + heads * chunk.stride(1)) * element)
+    seg_start = torch.tensor(starts, dtype=torch.long)
+    seg_len = torch.tensor(lengths, dtype=torch.long)
+    seg_ptr = torch.stack(pointers, dim=-1).reshape(batch * kv_heads, len(keys)).contiguous()
+    indices = torch.empty(batch, kv_heads, budget, dtype=torch.long)
+    valid = torch.empty(batch, kv_heads, budget, dtype=torch.bool)
+    codes_ptr = params_ptr = group_first = n_groups = None
+    dim_q = padded_dim(dim)
+    if view is not None:
+        packed, params, group_first, n_groups = view
+        group_first, n_groups = group_first.contiguous(), n_groups.contiguous()
+        if not (packed.is_contiguous() and params.is_contiguous()):
+            raise ValueError("The index's packed codes and parameters must be contiguous tensors.")
+        codes_ptr = (packed.data_ptr() + torch.arange(batch * kv_heads) * packed.stride(1)).contiguous()
+        params_ptr = (params.data_ptr() + torch.arange(batch * kv_heads) * params.stride(1) * 2).contiguous()
+    pointer = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    status = library.dc_select(
+        batch, kv_heads, q_heads // kv_heads, dim, KEY_TYPES[keys[0].dtype], query.data_ptr(), scaling,
+        mask.shape[1], mask.data_ptr(), len(keys), seg_start.data_ptr(), seg_len.data_ptr(), seg_ptr.data_ptr(),
+        pointer(codes_ptr), pointer(params_ptr), pointer(group_first), pointer(n_groups), dim_q, shortlist, budget,
+        indices.data_ptr(), valid.data_ptr(), max(1, threads))
+    if status != 0:
+        raise MemoryError("The native selection engine could not allocate its scratch memory.")
+    return indices, valid
+
+
+__all__ = ["GROUP", "IndexView", "select"]

@@ -1,0 +1,492 @@
+// Native host selection engine of dual-cache (the Python side is dual_cache/engine/native.py; the pure-torch
+// reference that defines every number computed here is dual_cache/engine/reference.py).
+//
+// One call selects, for every (sequence, KV head) of one layer's decode step, the `budget` positions of highest
+// exact group attention mass:
+//   1. optional scan of the 2-bit key index: per 64-token group an int8 copy of (query x channel scale) is dotted
+//      with the 2-bit codes in exact integer arithmetic (AVX-512 VNNI, AVX2 or scalar; the same integers on
+//      every path), giving approximate logits; each position's score is max over the GQA group of its logit
+//      minus that head's largest; the `shortlist` best positions, plus every candidate the index does not cover
+//      (the tail), are rescored exactly;
+//   2. exact stage: float32 logits of the rescored positions from the host store's keys, softmax per query head
+//      over them, summed over the group; the `budget` best (ties: lower position first), returned ascending.
+// Floating-point work is written as fixed 16-lane loops with no contraction (-ffp-contract=off), so every build
+// variant and thread count returns the same selection.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t GROUP = 64;  // tokens per index group
+constexpr int LANES = 16;
+constexpr int MAX_G = 8;       // query heads per scan pass (larger groups run in passes of 8)
+
+enum KeyType { F32 = 0, BF16 = 1, F16 = 2 };
+
+inline float bf16_to_f32(uint16_t v) {
+  uint32_t u = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+struct Call {
+  int64_t batch, kv_heads, group, dim, dim_pad;  // group: query heads per KV head (G)
+  int key_type;
+  const float* query;      // (batch, kv_heads * group, dim)
+  float scaling;
+  int64_t end;             // selectable positions [0, end)
+  const uint8_t* mask;     // (batch, end)
+  int64_t n_segs;
+  const int64_t* seg_start;  // (n_segs,) first position of each key segment
+  const int64_t* seg_len;    // (n_segs,)
+  const int64_t* seg_ptr;    // (batch * kv_heads, n_segs) address of the task's first key row in the segment
+  // 2-bit index (codes == nullptr: exact over every candidate)
+  const int64_t* codes_ptr;   // (batch * kv_heads,) address of group 0's codes (dim_q * 16 bytes per group)
+  const int64_t* params_ptr;  // (batch * kv_heads,) address of group 0's bf16 [min | scale] (2 * dim_q per group)
+  const int64_t* group_first; // (batch,)
+  const int64_t* n_groups;    // (batch,)
+  int64_t dim_q;              // channels of the index (dim rounded up to a multiple of 4)
+  int64_t shortlist;
+  int64_t budget;
+  int64_t* out_indices;  // (batch, kv_heads, budget)
+  uint8_t* out_valid;    // (batch, kv_heads, budget)
+};
+
+struct Scratch {
+  std::vector<float> q, row, logits, approx, score, exps;
+  std::vector<int64_t> positions, chosen, pick, pick_boundary, next;
+  std::vector<uint32_t> keys;
+  std::vector<int32_t> hist;
+  std::vector<int8_t> wq;
+  std::vector<float> sigma, bias;
+};
+
+// --- exact logits -----------------------------------------------------------------------------------------
+const void* key_row(const Call& c, int64_t task, int64_t pos, int64_t& seg_hint) {
+  int64_t s = seg_hint;
+  if (s >= c.n_segs || pos < c.seg_start[s] || pos >= c.seg_start[s] + c.seg_len[s]) {
+    s = 0;
+    while (s + 1 < c.n_segs && pos >= c.seg_start[s + 1]) ++s;
+    seg_hint = s;
+  }
+  const int64_t elem = c.key_type == F32 ? 4 : 2;
+  const char* base = reinterpret_cast<const char*>(c.seg_ptr[task * c.n_segs + s]);
+  return base + (pos - c.seg_start[s]) * c.dim * elem;
+}
+
+void to_float(const void* src, int key_type, int64_t dim, float* dst) {
+  if (key_type == F32) {
+    std::memcpy(dst, src, dim * 4);
+  } else if (key_type == BF16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    for (int64_t d = 0; d < dim; ++d) dst[d] = bf16_to_f32(s[d]);
+  } else {
+    const _Float16* s = static_cast<const _Float16*>(src);
+    for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(s[d]);
+  }
+}
+
+// dot of two zero-padded rows of dim_pad floats: 16 lane sums (fused multiply-add), then a fixed pairwise tree
+inline float tree_sum(const float* acc) {
+  float t8[8], t4[4], t2[2];
+  for (int j = 0; j < 8; ++j) t8[j] = acc[j] + acc[j + 8];
+  for (int j = 0; j < 4; ++j) t4[j] = t8[j] + t8[j + 4];
+  for (int j = 0; j < 2; ++j) t2[j] = t4[j] + t4[j + 2];
+  return t2[0] + t2[1];
+}
+
+inline float dot_lanes(const float* a, const float* b, int64_t dim_pad) {
+  float acc[LANES] = {0};
+  for (int64_t d = 0; d < dim_pad; d += LANES)
+    for (int j = 0; j < LANES; ++j) acc[j] = std::fma(a[d + j], b[d + j], acc[j]);
+  return tree_sum(acc);
+}
+
+// the G dots of one key row with G query rows (stride dim_pad), each summed exactly as dot_lanes
+template <int G>
+inline void dots_lanes(const float* q, const float* row, int64_t dim_pad, float scaling, float* out, int64_t stride) {
+  float acc[G][LANES] = {};
+  for (int64_t d = 0; d < dim_pad; d += LANES)
+    for (int h = 0; h < G; ++h)
+      for (int j = 0; j < LANES; ++j) acc[h][j] = std::fma(q[h * dim_pad + d + j], row[d + j], acc[h][j]);
+  for (int h = 0; h < G; ++h) out[h * stride] = scaling * tree_sum(acc[h]);
+}
+
+void dots_dispatch(int64_t g, const float* q, const float* row, int64_t dim_pad, float scaling, float* out,
+                   int64_t stride) {
+  for (int64_t h0 = 0; h0 < g; h0 += 4) {
+    const float* qh = q + h0 * dim_pad;
+    float* o = out + h0 * stride;
+    switch (std::min<int64_t>(4, g - h0)) {
+      case 1: dots_lanes<1>(qh, row, dim_pad, scaling, o, stride); break;
+      case 2: dots_lanes<2>(qh, row, dim_pad, scaling, o, stride); break;
+      case 3: dots_lanes<3>(qh, row, dim_pad, scaling, o, stride); break;
+      default: dots_lanes<4>(qh, row, dim_pad, scaling, o, stride); break;
+    }
+  }
+}
+
+// lane-parallel sum and maximum of x[0, n) (fixed order: lane j sums x[j], x[j + 16], ..., then the tree)
+float sum_lanes(const float* x, int64_t n) {
+  float acc[LANES] = {0};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int j = 0; j < LANES; ++j) acc[j] += x[i + j];
+  for (int j = 0; i + j < n; ++j) acc[j] += x[i + j];
+  return tree_sum(acc);
+}
+
+float max_lanes(const float* x, int64_t n) {
+  float acc[LANES];
+  for (int j = 0; j < LANES; ++j) acc[j] = -INFINITY;
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int j = 0; j < LANES; ++j) acc[j] = acc[j] > x[i + j] ? acc[j] : x[i + j];
+  for (int j = 0; i + j < n; ++j) acc[j] = acc[j] > x[i + j] ? acc[j] : x[i + j];
+  float best = -INFINITY;
+  for (int j = 0; j < LANES; ++j) best = best > acc[j] ? best : acc[j];
+  return best;
+}
+
+// exp(x) for x <= 0 (Cody-Waite reduction, degree-6 polynomial; 0 below -87), lane-parallel
+void exp_nonpositive(float* x, int64_t n) {
+  const float log2e = 1.44269504088896341f, c1 = 0.693359375f, c2 = -2.12194440e-4f, magic = 12582912.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    float v = x[i] < -87.0f ? -87.0f : x[i];
+    float t = v * log2e;
+    float k = (t + magic) - magic;  // round to nearest
+    float r = (v - k * c1) - k * c2;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    x[i] = x[i] < -87.0f ? 0.0f : p * scale;
+  }
+}
+
+// --- top-m by (score desc, position asc) ----------------------------------------------------------------------
+inline uint32_t order_key(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// indices (into [0, n)) of the m best scores, in no particular order; ties broken by lower index (the positions
+// are ascending). Radix selection on the order-preserving integer image of the scores: 11 bits per pass, each pass
+// over the elements that share the boundary prefix only.
+void top_m(const float* score, int64_t n, int64_t m, Scratch& s, std::vector<int64_t>& out) {
+  out.clear();
+  if (m >= n) {
+    for (int64_t i = 0; i < n; ++i) out.push_back(i);
+    return;
+  }
+  if (m <= 0) return;
+  s.keys.resize(n);
+  for (int64_t i = 0; i < n; ++i) s.keys[i] = order_key(score[i]);
+  std::vector<int64_t>& boundary = s.pick_boundary;
+  boundary.clear();
+  int64_t need = m;
+  bool all = true;  // the boundary set is every element (first pass)
+  const int shifts[3] = {21, 10, 0}, widths[3] = {11, 11, 10};
+  for (int pass = 0; pass < 3; ++pass) {
+    const int shift = shifts[pass], bits = widths[pass];
+    const uint32_t bins = 1u << bits, low = bins - 1;
+    s.hist.assign(bins, 0);
+    const int64_t count = all ? n : static_cast<int64_t>(boundary.size());
+    for (int64_t j = 0; j < count; ++j) ++s.hist[(s.keys[all ? j : boundary[j]] >> shift) & low];
+    int64_t above = 0;
+    uint32_t bin = low;
+    while (above + s.hist[bin] < need) above += s.hist[bin--];
+    s.next.clear();
+    for (int64_t j = 0; j < count; ++j) {
+      const int64_t i = all ? j : boundary[j];
+      const uint32_t b = (s.keys[i] >> shift) & low;
+      if (b > bin) out.push_back(i);
+      else if (b == bin) s.next.push_back(i);
+    }
+    boundary.swap(s.next);
+    all = false;
+    need -= above;
+    if (need == static_cast<int64_t>(boundary.size())) break;
+  }
+  // equal keys (or the whole boundary bin): the lowest indices first (boundary holds ascending indices)
+  for (int64_t j = 0; j < need; ++j) out.push_back(boundary[j]);
+}
+
+// --- 2-bit index scan ---------------------------------------------------------------------------------------
+// integer dot products of one group's 64 tokens with G int8 weight rows: acc[h * 64 + t]
+template <int G>
+void scan_group(const uint8_t* codes, const int8_t* wq, int64_t dim_q, int32_t* acc) {
+  const int64_t quads = dim_q / 4;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const __m512i shifts = _mm512_set_epi16(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i low2 = _mm512_set1_epi8(3);
+  for (int tb = 0; tb < 4; ++tb) {
+    __m512i a[G];
+    for (int h = 0; h < G; ++h) a[h] = _mm512_setzero_si512();
+    for (int64_t c = 0; c < quads; ++c) {
+      __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (c * 4 + tb) * 16));
+      __m512i v = _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i32x4(packed), shifts), low2);
+      for (int h = 0; h < G; ++h) {
+        int32_t w;
+        std::memcpy(&w, wq + h * dim_q + c * 4, 4);
+        a[h] = _mm512_dpbusd_epi32(a[h], v, _mm512_set1_epi32(w));
+      }
+    }
+    for (int h = 0; h < G; ++h) _mm512_storeu_si512(acc + h * GROUP + tb * 16, a[h]);
+  }
+#elif defined(__AVX2__)
+  const __m256i shift_lo = _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0);
+  const __m256i shift_hi = _mm256_set_epi32(6, 6, 6, 6, 4, 4, 4, 4);
+  const __m256i low2 = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+  for (int tb = 0; tb < 4; ++tb) {
+    __m256i lo[G], hi[G];
+    for (int h = 0; h < G; ++h) lo[h] = hi[h] = _mm256_setzero_si256();
+    for (int64_t c = 0; c < quads; ++c) {
+      __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (c * 4 + tb) * 16));
+      __m256i v = _mm256_broadcastsi128_si256(packed);
+      __m256i c0 = _mm256_and_si256(_mm256_srlv_epi32(v, shift_lo), low2);  // tokens 0..7 of the block
+      __m256i c1 = _mm256_and_si256(_mm256_srlv_epi32(v, shift_hi), low2);  // tokens 8..15
+      for (int h = 0; h < G; ++h) {
+        int32_t w;
+        std::memcpy(&w, wq + h * dim_q + c * 4, 4);
+        __m256i wb = _mm256_set1_epi32(w);
+        lo[h] = _mm256_add_epi32(lo[h], _mm256_madd_epi16(_mm256_maddubs_epi16(c0, wb), ones));
+        hi[h] = _mm256_add_epi32(hi[h], _mm256_madd_epi16(_mm256_maddubs_epi16(c1, wb), ones));
+      }
+    }
+    for (int h = 0; h < G; ++h) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + h * GROUP + tb * 16), lo[h]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + h * GROUP + tb * 16 + 8), hi[h]);
+    }
+  }
+#else
+  for (int h = 0; h < G; ++h)
+    for (int t = 0; t < GROUP; ++t) acc[h * GROUP + t] = 0;
+  for (int64_t c = 0; c < quads; ++c)
+    for (int tb = 0; tb < 4; ++tb) {
+      const uint8_t* chunk = codes + (c * 4 + tb) * 16;
+      for (int p = 0; p < 64; ++p) {
+        const int code = (chunk[p % 16] >> (2 * (p / 16))) & 3;
+        const int t = tb * 16 + p / 4;
+        for (int h = 0; h < G; ++h) acc[h * GROUP + t] += code * wq[h * dim_q + c * 4 + p % 4];
+      }
+    }
+#endif
+}
+
+void scan_dispatch(int g, const uint8_t* codes, const int8_t* wq, int64_t dim_q, int32_t* acc) {
+  switch (g) {
+    case 1: scan_group<1>(codes, wq, dim_q, acc); break;
+    case 2: scan_group<2>(codes, wq, dim_q, acc); break;
+    case 3: scan_group<3>(codes, wq, dim_q, acc); break;
+    case 4: scan_group<4>(codes, wq, dim_q, acc); break;
+    case 5: scan_group<5>(codes, wq, dim_q, acc); break;
+    case 6: scan_group<6>(codes, wq, dim_q, acc); break;
+    case 7: scan_group<7>(codes, wq, dim_q, acc); break;
+    default: scan_group<8>(codes, wq, dim_q, acc); break;
+  }
+}
+
+// approximate scaled logits of every covered position: approx[h * covered + i], i = position - group_first
+void scan_index(const Call& c, int64_t task, const float* q, int64_t groups, Scratch& s) {
+  const int64_t G = c.group, dq = c.dim_q, covered = groups * GROUP;
+  const uint8_t* codes = reinterpret_cast<const uint8_t*>(c.codes_ptr[task]);
+  const uint16_t* params = reinterpret_cast<const uint16_t*>(c.params_ptr[task]);
+  const int64_t dq_pad = (dq + LANES - 1) / LANES * LANES;
+  s.approx.resize(G * covered);
+  s.wq.resize(MAX_G * dq);
+  std::vector<int32_t> acc(MAX_G * GROUP);
+  std::vector<float> w(dq_pad, 0.0f), low(dq_pad, 0.0f), qh(dq_pad, 0.0f);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint16_t* mins = params + g * 2 * dq;
+    const uint16_t* steps = mins + dq;
+    for (int64_t d = 0; d < dq; ++d) low[d] = bf16_to_f32(mins[d]);
+    for (int64_t h0 = 0; h0 < G; h0 += MAX_G) {
+      const int gh = static_cast<int>(std::min<int64_t>(MAX_G, G - h0));
+      float sigma[MAX_G], bias[MAX_G];
+      for (int h = 0; h < gh; ++h) {
+        const float* qrow = q + (h0 + h) * c.dim_pad;  // zero past dim
+        for (int64_t d = 0; d < dq; ++d) w[d] = qrow[d] * bf16_to_f32(steps[d]);
+        float peak[LANES] = {0};
+        for (int64_t d = 0; d < dq_pad; d += LANES)
+          for (int j = 0; j < LANES; ++j) {
+            const float v = std::fabs(w[d + j]);
+            peak[j] = peak[j] > v ? peak[j] : v;
+          }
+        float top = 0.0f;
+        for (int j = 0; j < LANES; ++j) top = top > peak[j] ? top : peak[j];
+        sigma[h] = top / 127.0f;
+        for (int64_t d = 0; d < dq; ++d) qh[d] = qrow[d];
+        bias[h] = dot_lanes(qh.data(), low.data(), dq_pad);
+        int8_t* row = &s.wq[h * dq];
+        if (sigma[h] > 0.0f) {
+          const float sg = sigma[h];
+          for (int64_t d = 0; d < dq; ++d) row[d] = static_cast<int8_t>(std::nearbyint(w[d] / sg));
+        } else {
+          for (int64_t d = 0; d < dq; ++d) row[d] = 0;
+        }
+      }
+      scan_dispatch(gh, codes + g * 16 * dq, s.wq.data(), dq, acc.data());
+      for (int h = 0; h < gh; ++h) {
+        float* out = &s.approx[(h0 + h) * covered + g * GROUP];
+        const int32_t* a = &acc[h * GROUP];
+        const float sg = sigma[h], bs = bias[h];
+        for (int64_t t = 0; t < GROUP; ++t) out[t] = c.scaling * (bs + sg * static_cast<float>(a[t]));
+      }
+    }
+  }
+}
+
+// --- one (sequence, KV head) -------------------------------------------------------------------------------
+void run_task(const Call& c, int64_t task, Scratch& s) {
+  const int64_t b = task / c.kv_heads, G = c.group, end = c.end;
+  const uint8_t* mask = c.mask + b * end;
+  s.q.assign(G * c.dim_pad, 0.0f);
+  for (int64_t h = 0; h < G; ++h)
+    std::memcpy(&s.q[h * c.dim_pad], c.query + (task * G + h) * c.dim, c.dim * 4);
+
+  // the positions rescored exactly, ascending
+  s.positions.clear();
+  const int64_t first = c.codes_ptr ? c.group_first[b] : end;
+  const int64_t groups = c.codes_ptr ? c.n_groups[b] : 0;
+  const int64_t covered = groups * GROUP, covered_end = first + covered;
+  if (groups > 0) {
+    for (int64_t p = 0; p < std::min(first, end); ++p)
+      if (mask[p]) s.positions.push_back(p);
+    scan_index(c, task, s.q.data(), groups, s);
+    const uint8_t* m = mask + first;
+    int64_t usable = 0;
+    for (int64_t i = 0; i < covered; ++i) usable += m[i];
+    s.score.resize(covered);
+    for (int64_t i = 0; i < covered; ++i) s.score[i] = -INFINITY;
+    for (int64_t h = 0; h < G; ++h) {
+      float* a = &s.approx[h * covered];
+      for (int64_t i = 0; i < covered; ++i) a[i] = m[i] ? a[i] : -INFINITY;
+      const float peak = max_lanes(a, covered);
+      for (int64_t i = 0; i < covered; ++i) {
+        const float v = a[i] - peak;
+        s.score[i] = s.score[i] > v ? s.score[i] : v;
+      }
+    }
+    top_m(s.score.data(), covered, std::min(c.shortlist, usable), s, s.chosen);
+    std::sort(s.chosen.begin(), s.chosen.end());
+    for (int64_t i : s.chosen) s.positions.push_back(first + i);
+    for (int64_t p = covered_end; p < end; ++p)
+      if (mask[p]) s.positions.push_back(p);
+  } else {
+    for (int64_t p = 0; p < end; ++p)
+      if (mask[p]) s.positions.push_back(p);
+  }
+
+  // exact stage: logits[h * n + r]
+  const int64_t n = static_cast<int64_t>(s.positions.size());
+  s.row.assign(c.dim_pad, 0.0f);
+  s.logits.resize(G * n);
+  int64_t hint = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    to_float(key_row(c, task, s.positions[r], hint), c.key_type, c.dim, s.row.data());
+    dots_dispatch(G, s.q.data(), s.row.data(), c.dim_pad, c.scaling, &s.logits[r], n);
+  }
+  s.score.assign(n, 0.0f);
+  for (int64_t h = 0; h < G; ++h) {
+    float* l = &s.logits[h * n];
+    const float peak = max_lanes(l, n);
+    for (int64_t r = 0; r < n; ++r) l[r] -= peak;
+    exp_nonpositive(l, n);
+    const float inv = 1.0f / sum_lanes(l, n);
+    for (int64_t r = 0; r < n; ++r) s.score[r] += l[r] * inv;
+  }
+  top_m(s.score.data(), n, c.budget, s, s.chosen);
+  std::sort(s.chosen.begin(), s.chosen.end());
+  int64_t* out = c.out_indices + task * c.budget;
+  uint8_t* valid = c.out_valid + task * c.budget;
+  const int64_t k = static_cast<int64_t>(s.chosen.size());
+  for (int64_t i = 0; i < c.budget; ++i) {
+    out[i] = i < k ? s.positions[s.chosen[i]] : 0;
+    valid[i] = i < k ? 1 : 0;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Build variant of this library: 2 = AVX-512 VNNI scan, 1 = AVX2, 0 = scalar.
+int dc_variant() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return 2;
+#elif defined(__AVX2__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// CPU features of the running machine: bit 0 AVX2 (+FMA, F16C), bit 1 AVX-512 F/BW/VL/DQ + VNNI.
+int dc_cpu_features() {
+  int f = 0;
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2")) f |= 1;
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni"))
+    f |= 2;
+#endif
+  return f;
+}
+
+// Select for every (sequence, KV head) of one call; see `Call` for the arguments. Returns 0, or -1 on an
+// internal error (std::bad_alloc), with the outputs undefined.
+int dc_select(int64_t batch, int64_t kv_heads, int64_t group, int64_t dim, int key_type, const float* query,
+              float scaling, int64_t end, const uint8_t* mask, int64_t n_segs, const int64_t* seg_start,
+              const int64_t* seg_len, const int64_t* seg_ptr, const int64_t* codes_ptr, const int64_t* params_ptr,
+              const int64_t* group_first, const int64_t* n_groups, int64_t dim_q, int64_t shortlist,
+              int64_t budget, int64_t* out_indices, uint8_t* out_valid, int threads) {
+  Call c{batch, kv_heads, group, dim, (dim + LANES - 1) / LANES * LANES, key_type, query, scaling, end, mask,
+         n_segs, seg_start, seg_len, seg_ptr, codes_ptr, params_ptr, group_first, n_groups, dim_q, shortlist,
+         budget, out_indices, out_valid};
+  const int64_t tasks = batch * kv_heads;
+  const int workers = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
+  std::vector<int> failed(workers, 0);
+  auto work = [&](int w) {
+    try {
+      Scratch s;
+      for (int64_t t = w; t < tasks; t += workers) run_task(c, t, s);
+    } catch (...) {
+      failed[w] = 1;
+    }
+  };
+  if (workers == 1) {
+    work(0);
+  } else {
+    std::vector<std::thread> pool;
+    try {
+      for (int w = 1; w < workers; ++w) pool.emplace_back(work, w);
+    } catch (...) {
+      failed[0] = 1;
+    }
+    work(0);
+    for (auto& t : pool) t.join();
+  }
+  for (int f : failed)
+    if (f) return -1;
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,142 @@
+"""`selector="lowbit"`: a 2-bit copy of every key (the host index), scanned to shortlist positions that are then
+rescored exactly — both in one call of the native selection engine (`dual_cache.engine`).
+
+Per sequence, keys are quantized per channel over groups of 64 consecutive positions starting at its first real
+token (so left padding never changes them): a bfloat16 minimum and step per (group, channel) and a 2-bit code per
+key element (`engine/codes.py`, KIVI's key layout, Liu et al., 2024, §3). A step scans the codes of every complete
+group with the speculated token's GQA group of queries, keeps the `lowbit_factor × budget` best positions plus every
+candidate the index does not cover yet (the positions after the last complete group), and selects the `budget`
+of highest exact attention mass among them (`engine/reference.py` defines each number). Groups are appended as the
+selectable range grows (prefill chunks, then decode steps). Host bytes: `D/4 + D/16` bytes per key per KV head
+(codes, parameters), 7.8% of a bf16 K/V pair; nothing lives on the device.
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+from .. import engine
+from ..engine.codes import GROUP, padded_dim, quantize
+from ..host_store import host_tensor
+from .base import Candidates, Selector
+
+
+class LowBitSelector(Selector):
+    """2-bit key index + exact rescoring, through the native engine (`lowbit_factor` sets the shortlist)."""
+
+    name = "lowbit"
+    shares_prefix = False  # the index is per sequence
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        batch = self.store.shape_prefix[0]
+        self.dim_q = padded_dim(self.store.head_dim)
+        self.packed: torch.Tensor | None = None  # (B, H_kv, capacity, 16 · D_q) uint8
+        self.params: torch.Tensor | None = None  # (B, H_kv, capacity, 2, D_q) bfloat16
+        self.group_first = [-1] * batch  # per sequence: position of its group 0 (-1: no real token indexed yet)
+        self.n_groups = [0] * batch  # per sequence: complete groups indexed
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        if isinstance(config.lowbit_factor, bool) or not isinstance(config.lowbit_factor, int) \
+                or config.lowbit_factor < 1:
+            raise ValueError(f"`lowbit_factor` must be an int >= 1 (positions rescored exactly per KV head, as a "
+                             f"multiple of the budget), got {config.lowbit_factor!r}.")
+
+    @classmethod
+    def host_bytes_for(cls, config, tokens: int, kv_heads: int, head_dim: int, element_size: int) -> int:
+        groups = tokens // GROUP + 1
+        return groups * kv_heads * padded_dim(head_dim) * (16 + 4)
+
+    @property
+    def shortlisted(self) -> int:
+        return self.config.lowbit_factor * self.budget
+
+    def _ensure_capacity(self, groups: int) -> None:
+        have = 0 if self.packed is None else self.packed.shape[2]
+        if groups <= have:
+            return
+        batch, kv_heads = self.store.shape_prefix
+        capacity = max(groups, -(-self.store.capacity // GROUP), 2 * have)
+        nbytes = batch * kv_heads * capacity * self.dim_q * (16 + 4)
+        self.claim_host(nbytes)
+        packed = host_tensor((batch, kv_heads, capacity, 16 * self.dim_q), torch.uint8)
+        params = host_tensor((batch, kv_heads, capacity, 2, self.dim_q), torch.bfloat16)
+        if self.packed is not None:
+            packed[:, :, :have] = self.packed
+            params[:, :, :have] = self.params
+        self.packed, self.params = packed, params
+
+    def _keys(self, lo: int, hi: int, row: int) -> torch.Tensor:
+        """`(H_kv, hi - lo, D)` keys of one sequence at positions `[lo, hi)`, read chunk by chunk."""
+        parts, start = [], 0
+        for chunk in self.store.key_chunks(hi):
+            stop = start + chunk.shape[2]
+            if stop > lo:
+                parts.append(chunk[row if chunk.shape[0] > 1 else 0, :, max(lo - start, 0):])
+            start = stop
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def extend(self, length: int, first_real: torch.Tensor, first_sequence: int = 0) -> None:
+        """Quantize every complete group of positions below `length` not indexed yet (per sequence, from its first
+        real position)."""
+        kv_heads, dim = self.store.shape_prefix[1], self.store.head_dim
+        wanted = {}
+        for offset, real in enumerate(first_real.tolist()):
+            row = first_sequence + offset
+            if self.group_first[row] < 0 and real < length:
+                self.group_first[row] = real
+            if self.group_first[row] >= 0:
+                complete = max(0, (length - self.group_first[row]) // GROUP)
+                if complete > self.n_groups[row]:
+                    wanted[row] = complete
+        if not wanted:
+            return
+        self._ensure_capacity(max(wanted.values()))
+        for row, want in wanted.items():
+            have = self.n_groups[row]
+            lo = self.group_first[row] + have * GROUP
+            keys = self._keys(lo, lo + (want - have) * GROUP, row).reshape(kv_heads * (want - have), GROUP, dim)
+            packed, params = quantize(keys)
+            self.packed[row, :, have:want] = packed.view(kv_heads, want - have, -1)
+            self.params[row, :, have:want] = params.view(kv_heads, want - have, 2, -1)
+            self.n_groups[row] = want
+
+    def truncate(self, length: int) -> None:
+        for row, first in enumerate(self.group_first):
+            if first >= length:
+                self.group_first[row], self.n_groups[row] = -1, 0
+            elif first >= 0:
+                self.n_groups[row] = min(self.n_groups[row], (length - first) // GROUP)
+
+    def key_bytes_read(self, end: int) -> tuple[int, int]:
+        """The codes and parameters of every complete group, then the shortlisted and uncovered keys whole."""
+        kv_heads, dim, element = self.store.shape_prefix[1], self.store.head_dim, self.store.element_size
+        groups = end // GROUP
+        if self.shortlisted >= groups * GROUP:
+            return super().key_bytes_read(end)
+        scanned = kv_heads * groups * self.dim_q * (16 + 4)
+        return scanned, kv_heads * (self.shortlisted + end - groups * GROUP) * dim * element
+
+    def select(self, query: torch.Tensor, candidates: Candidates, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = candidates.rows
+        self.store.first_row(candidates.first_sequence, query.shape[0])  # ValueError for rows outside the batch
+        self.extend(candidates.end, candidates.first_real, candidates.first_sequence)
+        keys = self.store.key_chunks(candidates.end, rows)
+        index = None
+        if self.packed is not None:
+            first = torch.tensor(self.group_first[rows], dtype=torch.long)
+            groups = torch.tensor(self.n_groups[rows], dtype=torch.long)
+            index = engine.IndexView(self.packed[rows], self.params[rows], first.clamp(min=0), groups)
+        return engine.select(query.float().contiguous(), candidates.mask, keys, self.budget, scaling, index,
+                             self.shortlisted)
+
+    @property
+    def host_bytes(self) -> int:
+        return 0 if self.packed is None else self.packed.nbytes + self.params.nbytes
+
+    def free(self) -> None:
+        self.packed = self.params = None
+        self.n_groups = [0] * len(self.n_groups)
+        self.group_first = [-1] * len(self.group_first)

@@ -1,0 +1,201 @@
+"""The native selection engine (`dual_cache/engine/`) against its pure-torch reference, on random inputs, and the
+`lowbit` selector built on it: every build variant this CPU runs selects what the reference selects, for any
+thread count; the index grown step by step equals one built at once; a missing compiler falls back to the
+reference with one warning; bad options are refused."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from dual_cache import engine
+from dual_cache.config import DualDecoderConfig
+from dual_cache.engine import codes, native, reference
+from dual_cache.host_store import HostKVStore
+from dual_cache.selectors import SELECTORS, Candidates
+from tests.conftest import tiny_llama
+
+VARIANTS = native.supported_variants()
+
+
+def _problem(seed, batch, kv_heads, group, dim, n, dtype, chunks=3, shared=False):
+    """Random queries, a mask with holes, keys in `chunks` store-like chunks, and a 2-bit index per sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(batch, kv_heads * group, dim, generator=gen)
+    keys = (torch.randn(1 if shared else batch, kv_heads, n, dim, generator=gen) * 2).to(dtype)
+    keys = keys.expand(batch, -1, -1, -1)
+    cuts = sorted(torch.randperm(n - 1, generator=gen)[: chunks - 1].add(1).tolist())
+    pieces = [keys[:1 if shared else batch, :, a:b].contiguous() for a, b in zip([0, *cuts], [*cuts, n])]
+    end = n - 7
+    mask = torch.rand(batch, end, generator=gen) > 0.15
+    first = torch.randint(0, 40, (batch,), generator=gen)
+    for b in range(batch):
+        mask[b, : int(first[b])] = False  # pads before the first real token
+    groups = torch.div(end - first, codes.GROUP, rounding_mode="floor")
+    dim_q = codes.padded_dim(dim)
+    capacity = int(groups.max()) + 1
+    packed = torch.zeros(batch, kv_heads, capacity, 16 * dim_q, dtype=torch.uint8)
+    params = torch.zeros(batch, kv_heads, capacity, 2, dim_q, dtype=torch.bfloat16)
+    for b in range(batch):
+        g, f = int(groups[b]), int(first[b])
+        p, q = codes.quantize(keys[b, :, f : f + g * codes.GROUP].reshape(kv_heads * g, codes.GROUP, dim))
+        packed[b, :, :g], params[b, :, :g] = p.view(kv_heads, g, -1), q.view(kv_heads, g, 2, -1)
+    return query, mask, pieces, engine.IndexView(packed, params, first, groups)
+
+
+CASES = [  # batch, KV heads, GQA group, head dim, positions, dtype
+    (2, 3, 3, 64, 700, torch.float32),
+    (1, 2, 4, 128, 2100, torch.bfloat16),
+    (3, 1, 5, 20, 517, torch.float16),
+    (2, 2, 9, 18, 900, torch.bfloat16),  # more than 8 query heads per KV head; a head dim not a multiple of 4
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("seed", [11, 12])
+def test_every_variant_selects_what_the_reference_selects(variant, case, seed):
+    batch, kv_heads, group, dim, n, dtype = CASES[case]
+    query, mask, keys, index = _problem(seed * 10 + case, batch, kv_heads, group, dim, n, dtype)
+    view = (index.packed, index.params, index.group_first, index.usable(mask.shape[1]))
+    library = native.library(variant)
+    for budget, shortlist, with_index in [(8, 0, False), (48, 0, False), (8, 32, True), (48, 96, True),
+                                          (16, 10_000, True)]:
+        args = (query, mask, keys, budget, dim ** -0.5, view if with_index else None, shortlist)
+        expected = reference.select(*args)
+        got = engine._native_select(library, *args, threads=2)
+        assert torch.equal(got[1], expected[1]), (budget, shortlist, with_index)
+        assert torch.equal(got[0], expected[0]), (budget, shortlist, with_index)
+
+
+def test_shared_prefix_chunk_and_more_budget_than_candidates():
+    query, mask, keys, index = _problem(3, 3, 2, 2, 32, 300, torch.bfloat16, shared=True)
+    assert keys[0].shape[0] == 1  # one stored sequence read by the three rows
+    for with_index in (False, True):
+        view = (index.packed, index.params, index.group_first, index.usable(mask.shape[1])) if with_index else None
+        expected = reference.select(query, mask, keys, 400, 0.2, view, 64)
+        got = engine.select(query, mask, keys, 400, 0.2, index if with_index else None, 64)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+        if not with_index:  # every candidate, once
+            assert torch.equal(got[1].sum(-1), mask.sum(-1, keepdim=True).expand(-1, 2))
+
+
+def test_equal_scores_go_to_the_lower_position():
+    key = torch.randn(1, 1, 1, 16)
+    keys = [key.expand(1, 1, 500, 16).contiguous()]  # every key equal: every mass ties
+    mask = torch.ones(1, 480, dtype=torch.bool)
+    mask[0, :4] = False
+    indices, valid = engine.select(torch.randn(1, 2, 16), mask, keys, 10, 0.25)
+    assert valid.all() and indices[0, 0].tolist() == list(range(4, 14))
+
+
+def test_result_does_not_depend_on_threads():
+    query, mask, keys, index = _problem(5, 4, 3, 4, 64, 1500, torch.bfloat16)
+    one = engine.select(query, mask, keys, 32, 0.125, index, 128, threads=1)
+    for threads in (2, 5, 64):
+        other = engine.select(query, mask, keys, 32, 0.125, index, 128, threads=threads)
+        assert torch.equal(one[0], other[0]) and torch.equal(one[1], other[1])
+
+
+def test_codes_round_trip_and_dequantize_within_half_a_step():
+    gen = torch.Generator().manual_seed(8)
+    raw = torch.randint(0, 4, (3, codes.GROUP, 12), generator=gen, dtype=torch.uint8)
+    assert torch.equal(codes.unpack(codes.pack(raw)), raw)
+    keys = torch.randn(5, codes.GROUP, 10, generator=gen) * 3
+    packed, params = codes.quantize(keys)
+    low, step = params[:, 0, :10].float()[:, None], params[:, 1, :10].float()[:, None]
+    restored = low + step * codes.unpack(packed)[:, :, :10].float()
+    # nearest level of the stored (bf16-rounded) minimum and step; levels outside [min, max] only by rounding
+    nearest = low + step * ((keys - low) / step).round().clamp(0, 3)
+    assert torch.equal(restored, nearest)
+    assert ((restored - keys).abs() <= step * 0.5 + 0.02 * keys.abs().amax()).all()
+
+
+def _store(seed, batch=2, kv_heads=2, dim=16, tokens=400):
+    store = HostKVStore(batch, kv_heads, dim, torch.bfloat16, chunk_tokens=128)
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randn(batch, kv_heads, tokens, dim, generator=gen).bfloat16()
+    for lo in range(0, tokens, 97):  # appends across chunk boundaries
+        store.append(data[:, :, lo : lo + 97], data[:, :, lo : lo + 97])
+    return store
+
+
+def test_index_grown_step_by_step_equals_one_built_at_once():
+    config = DualDecoderConfig(selector="lowbit", lowbit_factor=2)
+    first_real = torch.tensor([0, 37])
+    grown, whole = (SELECTORS["lowbit"](config, 16, _store(2), "cpu") for _ in range(2))
+    for length in (50, 64, 130, 131, 260, 333, 400):
+        grown.extend(length, first_real)
+    whole.extend(400, first_real)
+    assert grown.n_groups == whole.n_groups == [6, 5]
+    for row in range(2):
+        g = whole.n_groups[row]
+        assert torch.equal(grown.packed[row, :, :g], whole.packed[row, :, :g])
+        assert torch.equal(grown.params[row, :, :g], whole.params[row, :, :g])
+    grown.truncate(200)  # a crop forgets the groups past it
+    assert grown.n_groups == [3, 2]
+
+
+def test_lowbit_selector_with_a_shortlist_of_everything_selects_what_exact_selects():
+    store = _store(4)
+    query = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, 380, dtype=torch.bool)
+    mask[1, :37] = False
+    candidates = Candidates(mask, torch.tensor([0, 37]))
+    exact = SELECTORS["exact"](DualDecoderConfig(), 24, store, "cpu").select(query, candidates, 0.25)
+    lowbit = SELECTORS["lowbit"](DualDecoderConfig(selector="lowbit", lowbit_factor=100), 24, store, "cpu")
+    got = lowbit.select(query, candidates, 0.25)
+    assert lowbit.n_groups == [5, 5]  # the index was built and scanned
+    assert torch.equal(got[0], exact[0]) and torch.equal(got[1], exact[1])
+
+
+def test_a_compiler_that_fails_falls_back_to_the_reference_with_one_warning(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_failure", None)
+    monkeypatch.setattr(native, "_warned", False)
+    monkeypatch.setenv("DUAL_CACHE_ENGINE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    query, mask, keys, index = _problem(6, 2, 2, 2, 32, 400, torch.float32)
+    with pytest.warns(RuntimeWarning, match="native selection engine is unavailable"):
+        got = engine.select(query, mask, keys, 16, 0.2, index, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        engine.select(query, mask, keys, 16, 0.2, index, 32)
+    assert native.active_variant() == "reference"
+    view = (index.packed, index.params, index.group_first, index.usable(mask.shape[1]))
+    expected = reference.select(query, mask, keys, 16, 0.2, view, 32)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_bad_options_are_refused(monkeypatch):
+    with pytest.raises(ValueError, match="lowbit_factor"):
+        DualDecoderConfig(selector="lowbit", lowbit_factor=0)
+    monkeypatch.setenv("DUAL_CACHE_ENGINE", "fastest")
+    with pytest.raises(ValueError, match="DUAL_CACHE_ENGINE must be one of"):
+        native.library()
+    query, mask, keys, _ = _problem(7, 1, 2, 2, 32, 200, torch.float32)
+    with pytest.raises(ValueError, match="float32 queries"):
+        engine.select(query.double(), mask, keys, 8, 0.2)
+    with pytest.raises(ValueError, match="fewer than end"):
+        engine.select(query, torch.ones(1, 999, dtype=torch.bool), keys, 8, 0.2)
+
+
+@pytest.mark.parametrize("threads", [0, 1, 3])
+def test_generate_with_lowbit_full_budget_equals_dense_and_threads_do_not_change_tokens(threads):
+    model = tiny_llama(seed=31)
+    ids = torch.randint(3, 96, (2, 300), generator=torch.Generator().manual_seed(32))
+    mask = torch.ones_like(ids)
+    mask[1, :45] = 0
+    dense = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    full = {"selector": "lowbit", "budget": 4096, "window": 16, "retrieval_threads": threads}
+    assert torch.equal(dense, model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                                             cache_implementation="dual", cache_config=full))
+    partial = {"selector": "lowbit", "budget": 16, "window": 8, "early_layers": 0, "lowbit_factor": 2,
+               "retrieval_threads": threads}
+    tokens = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                            cache_implementation="dual", cache_config=partial)
+    reference_run = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                                   cache_implementation="dual", cache_config={**partial, "retrieval_threads": 0})
+    assert torch.equal(tokens, reference_run)
