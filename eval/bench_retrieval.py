@@ -1,7 +1,7 @@
 """Host retrieval cost per decode step, selector by selector, on random keys of a given model shape.
 
     python -m dual_cache.eval.bench_retrieval --contexts 32768 131072 --batches 1 8 \
-        --selectors exact clusters --pools 1 2 --out results/bench/host-retrieval
+        --selectors torch-exact exact lowbit --pools 1 2 --out results/bench/host-retrieval
 
 On an H200 the dual cache decoded a Llama-3.1-8B-shaped model at 32K tokens at 2 tokens/s because the host scored
 every key of every layer each step (results/gpu/h200-32k.md). This measures that host work alone on this machine's
@@ -18,7 +18,9 @@ Per row: `ms_per_step` (median over `--repeats`, after one warm-up), `ms_per_lay
 bytes a step reads: every key for `exact`; the channels and shortlisted keys for `shortlist`; the cluster summaries,
 the shortlisted clusters' keys and the unclustered tail for `clusters`), `index_host_bytes` (per layer, beyond the
 K/V) and `index_fraction` (of the layer's K/V bytes), `build_ms_per_1k_tokens` (building the index over the prompt,
-per layer, per sequence), and `exact / this` from the same run. Timings do not depend on key values; quality is
+per layer, per sequence), `effective_gbps` (key bytes read per second of selection), `host_read_gbps` (this host's
+read bandwidth at the same thread count, measured in the same run by a large reduction), `engine` (the native engine
+variant, or `torch` for `torch-exact`), and `exact / this` from the same run. Timings do not depend on key values; quality is
 measured on real keys by `dual_cache.eval.selection_recall`. Writes `<out>.json` and `<out>.md`.
 """
 
@@ -34,12 +36,34 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..config import DualDecoderConfig
-from ..host_store import HostKVStore
+from ..engine import native
+from ..host_store import HostKVStore, advise_huge_pages
+from ..retrieval import select as torch_select
 from ..selectors import SELECTORS, Candidates
 from .outputs import write_rows_and_table
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PREFETCHED = [name for name, cls in SELECTORS.items() if cls.prefetched]
+TORCH_EXACT = "torch-exact"  # exact selection in torch ops (bf16 products, torch.topk): the path before the engine
+
+
+def host_read_gbps(threads: int, mib: int = 512, repeats: int = 5) -> float:
+    """This host's read bandwidth (GB/s): the best of `repeats` sums of a `mib` MiB float32 tensor on `threads`
+    torch threads (a large reduction streams memory at close to the machine's read speed)."""
+    data = torch.empty(mib * 2**20 // 4)
+    advise_huge_pages(data)
+    data.fill_(1.0)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            data.sum()
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(previous)
+    return data.nbytes / best / 1e9
 
 
 def _store(batch: int, kv_heads: int, dim: int, tokens: int, capacity: int, dtype: torch.dtype,
@@ -56,12 +80,12 @@ def _store(batch: int, kv_heads: int, dim: int, tokens: int, capacity: int, dtyp
 def measure(context: int, batch: int, selector_name: str, pool: int, args: argparse.Namespace) -> dict:
     """One cell: median wall seconds of one step's retrieval jobs over `args.distinct_layers` layers."""
     dtype = DTYPES[args.dtype]
-    config = DualDecoderConfig(selector=selector_name, **args.options)
+    config = DualDecoderConfig(selector="exact" if selector_name == TORCH_EXACT else selector_name, **args.options)
     steps = args.repeats + 1
     stored = 1 if args.shared_prefix else batch  # a shared prefix: one sequence's keys, continued by the batch
     stores = [_store(stored, args.kv_heads, args.head_dim, context, context + steps, dtype, seed=context + layer)
               for layer in range(args.distinct_layers)]
-    selectors = [SELECTORS[selector_name](config, args.budget, store, "cpu") for store in stores]
+    selectors = [SELECTORS[config.selector](config, args.budget, store, "cpu") for store in stores]
     start = time.perf_counter()
     for selector in selectors:
         selector.extend(context, torch.zeros(stored, dtype=torch.long))
@@ -78,7 +102,11 @@ def measure(context: int, batch: int, selector_name: str, pool: int, args: argpa
     extra = torch.randn(batch, args.kv_heads, 1, args.head_dim).to(dtype)
 
     def job(layer: int, candidates: Candidates) -> None:
-        indices, _ = selectors[layer].select(query, candidates, scaling)
+        if selector_name == TORCH_EXACT:
+            keys = stores[layer].key_chunks(candidates.end)
+            indices, _ = torch_select(query, keys, candidates.mask, args.budget, scaling)
+        else:
+            indices, _ = selectors[layer].select(query, candidates, scaling)
         stores[layer].gather(indices, out=staging[layer])
 
     executor = ThreadPoolExecutor(max_workers=pool, initializer=torch.set_num_threads if pool > 1 else None,
@@ -108,6 +136,9 @@ def measure(context: int, batch: int, selector_name: str, pool: int, args: argpa
         "key_mib_read_per_step": read * args.layers / 2**20,
         "index_host_bytes": index_bytes, "index_fraction": index_bytes / stores[0].nbytes,
         "build_ms_per_1k_tokens": build * 1e3 / len(stores) / stored / (context / 1000),
+        "effective_gbps": read / (per_step / args.layers) / 1e9,
+        "host_read_gbps": args.bandwidth[pool if pool > 1 else torch.get_num_threads()],
+        "engine": "torch" if selector_name == TORCH_EXACT else native.active_variant(),
         "budget": args.budget, "dtype": args.dtype, "options": args.options, "shared_prefix": args.shared_prefix,
     }
     for selector, store in zip(selectors, stores):
@@ -131,8 +162,8 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
         f"{rows[0]['torch_threads'] if rows[0]['pool'] == 1 else 'torch default'} intra-op threads; N > 1: one "
         "intra-op thread each).", "",
         "| context | batch | selector | pool | ms/layer | ms/step | key MiB read/step | index / KV | build ms per 1K "
-        "tokens·layer | exact / this |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "tokens·layer | GB/s read (host GB/s) | exact / this |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     exact = {(r["context"], r["batch"], r["pool"]): r["ms_per_step"] for r in rows if r["selector"] == "exact"}
     for r in rows:
@@ -141,7 +172,7 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
         lines.append(
             f"| {r['context']} | {r['batch']} | {r['selector']} | {r['pool']} | {_num(r['ms_per_layer'])} | "
             f"{_num(r['ms_per_step'])} | {_num(r['key_mib_read_per_step'])} | {r['index_fraction']:.1%} | "
-            f"{_num(r['build_ms_per_1k_tokens'])} | {ratio} |"
+            f"{_num(r['build_ms_per_1k_tokens'])} | {r['effective_gbps']:.1f} ({r['host_read_gbps']:.1f}) | {ratio} |"
         )
     pools = sorted({r["pool"] for r in rows})
     if len(pools) > 1:
@@ -159,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072], help="tokens")
     parser.add_argument("--batches", type=int, nargs="+", default=[1])
     parser.add_argument("--selectors", nargs="+", default=["exact", DualDecoderConfig().selector],
-                        choices=PREFETCHED)
+                        choices=[*PREFETCHED, TORCH_EXACT],
+                        help=f"selectors to time; {TORCH_EXACT!r}: exact selection in torch ops, as before the engine")
     parser.add_argument("--pools", type=int, nargs="+", default=[1], help="retrieval threads per run")
     parser.add_argument("--budget", type=int, default=256, help="tokens per KV head")
     parser.add_argument("--options", type=json.loads, default={},
@@ -202,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    args.bandwidth = {threads: host_read_gbps(threads)
+                      for threads in {*(p for p in args.pools if p > 1), torch.get_num_threads()}}
     rows = []
     for context in args.contexts:
         for batch in args.batches:

@@ -92,7 +92,7 @@ def test_equal_scores_go_to_the_lower_position():
 
 
 def test_result_does_not_depend_on_threads():
-    query, mask, keys, index = _problem(5, 4, 3, 4, 64, 1500, torch.bfloat16)
+    query, mask, keys, index = _problem(5, 4, 3, 4, 64, 12000, torch.bfloat16)  # large enough to start threads
     one = engine.select(query, mask, keys, 32, 0.125, index, 128, threads=1)
     for threads in (2, 5, 64):
         other = engine.select(query, mask, keys, 32, 0.125, index, 128, threads=threads)
@@ -199,3 +199,14 @@ def test_generate_with_lowbit_full_budget_equals_dense_and_threads_do_not_change
     reference_run = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
                                    cache_implementation="dual", cache_config={**partial, "retrieval_threads": 0})
     assert torch.equal(tokens, reference_run)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype, dim", [(torch.float32, 64), (torch.bfloat16, 128), (torch.float16, 18)])
+def test_native_quantize_writes_the_bytes_of_the_reference(variant, dtype, dim, monkeypatch):
+    monkeypatch.setenv("DUAL_CACHE_ENGINE", variant)
+    gen = torch.Generator().manual_seed(dim)
+    keys = (torch.randn(7, codes.GROUP, dim, generator=gen) * 4).to(dtype)
+    keys[2, :, 3] = 1.5  # a constant channel: step 0
+    expected, got = codes.quantize(keys), codes.quantize_fast(keys, threads=3)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])

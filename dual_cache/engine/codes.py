@@ -24,7 +24,8 @@ def padded_dim(head_dim: int) -> int:
 
 
 def quantize(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and parameters of complete groups of keys.
+    """Codes and parameters of complete groups of keys (the definition; `quantize_fast` computes the same bytes
+    natively).
 
     Args:
         keys: `(N, GROUP, D)` host keys, any float dtype (N independent groups).
@@ -63,3 +64,24 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     elements = (chunks >> shifts) & 3  # (N, quad, tb, i, k)
     blocks = elements.reshape(count, dim_q // 4, 4, 16, 4)  # (N, quad, tb, token, channel)
     return blocks.permute(0, 2, 3, 1, 4).reshape(count, GROUP, dim_q)
+
+
+def quantize_fast(keys: torch.Tensor, threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize` through the native engine (the same bytes), or `quantize` itself where the engine is unavailable.
+
+    Args:
+        keys: `(N, GROUP, D)` float32 / bfloat16 / float16 host keys; threads: default `torch.get_num_threads()`.
+    """
+    from . import KEY_TYPES, native
+
+    library = native.library()
+    if library is None or keys.dtype not in KEY_TYPES or keys.shape[1] != GROUP:
+        return quantize(keys)
+    keys = keys.contiguous()
+    count, _, dim = keys.shape
+    dim_q = padded_dim(dim)
+    packed = torch.empty(count, 16 * dim_q, dtype=torch.uint8)
+    params = torch.empty(count, 2, dim_q, dtype=torch.bfloat16)
+    library.dc_quantize(keys.data_ptr(), KEY_TYPES[keys.dtype], count, dim, dim_q, packed.data_ptr(),
+                        params.data_ptr(), max(1, torch.get_num_threads() if threads is None else threads))
+    return packed, params

@@ -4,7 +4,7 @@ It is what `selection_engine.cpp` is tested against on random inputs and what ru
 Per (sequence, KV head), with the GQA group's `G` query heads `q_h` (float32, after RoPE) and softmax scale `s`:
 
 1. **Scan** (only with an index, `codes.py`): for each indexed group `g` and head `h`, `w = q_h ⊙ step_g` (float32),
-   `σ = max|w| / 127`, `w8 = round(w / σ)` (int8), `bias = q_h · min_g` (`lane_dot`); the
+   `σ = max|w| / 127`, `w8 = round(w · (1 / σ))` (int8), `bias = q_h · min_g` (`lane_dot`); the
    approximate logit of a token with codes `c` is `s · (bias + σ · (w8 · c))`, the dot product an exact integer.
    A position's score is the largest over the group of its approximate logit minus that head's largest among the
    candidates. The `shortlist` best-scoring candidates, plus every candidate the index does not cover (before the
@@ -99,8 +99,8 @@ def scan_scores(query: torch.Tensor, packed: torch.Tensor, params: torch.Tensor,
     low, step = params[:, :, 0].float(), params[:, :, 1].float()  # (H, n, Dq)
     w = q[:, None] * step[:, :, None]  # (H, n, G, Dq)
     sigma = w.abs().amax(dim=-1) / 127  # (H, n, G)
-    safe = torch.where(sigma > 0, sigma, torch.ones(()))
-    w8 = torch.where(sigma[..., None] > 0, torch.round(w / safe[..., None]), torch.zeros(()))
+    inverse = 1 / torch.where(sigma > 0, sigma, torch.ones(()))
+    w8 = torch.where(sigma[..., None] > 0, torch.round(w * inverse[..., None]), torch.zeros(()))
     dots = torch.matmul(codes, w8.double().transpose(-1, -2)).float()  # (H, n, 64, G), exact integers
     bias = lane_dot(q[:, None], low[:, :, None])  # (H, n, G)
     approx = bias[:, :, None, :] + sigma[:, :, None, :] * dots

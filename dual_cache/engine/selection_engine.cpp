@@ -16,6 +16,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 #if defined(__x86_64__) || defined(__i386__)
@@ -26,9 +28,18 @@ namespace {
 
 constexpr int64_t GROUP = 64;  // tokens per index group
 constexpr int LANES = 16;
+constexpr int64_t PREFETCH = 8;  // rows of the exact stage requested ahead
+constexpr int64_t MIN_POSITIONS_PER_THREAD = 16384;  // (sequence, KV head, position) triples per started thread
 constexpr int MAX_G = 8;       // query heads per scan pass (larger groups run in passes of 8)
 
 enum KeyType { F32 = 0, BF16 = 1, F16 = 2 };
+
+// float32 -> bfloat16, round to nearest even (torch's conversion; no NaN inputs here)
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
 
 inline float bf16_to_f32(uint16_t v) {
   uint32_t u = uint32_t(v) << 16;
@@ -66,8 +77,27 @@ struct Scratch {
   std::vector<uint32_t> keys;
   std::vector<int32_t> hist;
   std::vector<int8_t> wq;
-  std::vector<float> sigma, bias;
+  std::vector<int32_t> acc;
+  std::vector<float> w, low, qh, wround;
 };
+
+// Scratch buffers outlive a call (a fresh multi-MiB buffer per call would be faulted in page by page): a free
+// list, one Scratch per concurrently running worker, released by dc_release_scratch().
+std::mutex pool_lock;
+std::vector<std::unique_ptr<Scratch>> pool;
+
+std::unique_ptr<Scratch> take_scratch() {
+  std::lock_guard<std::mutex> guard(pool_lock);
+  if (pool.empty()) return std::make_unique<Scratch>();
+  std::unique_ptr<Scratch> s = std::move(pool.back());
+  pool.pop_back();
+  return s;
+}
+
+void give_scratch(std::unique_ptr<Scratch> s) {
+  std::lock_guard<std::mutex> guard(pool_lock);
+  pool.push_back(std::move(s));
+}
 
 // --- exact logits -----------------------------------------------------------------------------------------
 const void* key_row(const Call& c, int64_t task, int64_t pos, int64_t& seg_hint) {
@@ -133,6 +163,70 @@ void dots_dispatch(int64_t g, const float* q, const float* row, int64_t dim_pad,
     }
   }
 }
+
+// Scaled logits of one key row (stored type) with G query rows: the dots_lanes arithmetic (16 lanes, fma in channel
+// order, the same tree), with SIMD loads converting the stored type in registers. Returns false where this build
+// has no SIMD path (the caller then converts the row and calls dots_dispatch).
+#if defined(__AVX512F__)
+inline float tree_sum16(__m512 acc) {
+  const __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+  const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+  const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+  return _mm_cvtss_f32(_mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1)));
+}
+
+template <int KT>
+inline __m512 load16(const void* row, int64_t d, __mmask16 m) {
+  if (KT == F32) return _mm512_maskz_loadu_ps(m, static_cast<const float*>(row) + d);
+  const __m256i half = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(row) + d);
+  if (KT == BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  return _mm512_cvtph_ps(half);
+}
+
+template <int G, int KT>
+inline void row_logits(const void* row, const float* q, int64_t dim, int64_t dim_pad, float scaling, float* out,
+                       int64_t stride) {
+  __m512 acc[G];
+  for (int h = 0; h < G; ++h) acc[h] = _mm512_setzero_ps();
+  const int64_t full = dim / LANES * LANES;
+  for (int64_t d = 0; d < full; d += LANES) {
+    const __m512 k = load16<KT>(row, d, static_cast<__mmask16>(0xFFFF));
+    for (int h = 0; h < G; ++h) acc[h] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * dim_pad + d), k, acc[h]);
+  }
+  if (full < dim_pad) {  // the last, partial block (zero past dim)
+    const __m512 k = load16<KT>(row, full, static_cast<__mmask16>((1u << (dim - full)) - 1));
+    for (int h = 0; h < G; ++h) acc[h] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * dim_pad + full), k, acc[h]);
+  }
+  for (int h = 0; h < G; ++h) out[h * stride] = scaling * tree_sum16(acc[h]);
+}
+
+template <int KT>
+inline void heads_logits(const void* row, const float* q, int64_t g, int64_t dim, int64_t dim_pad, float scaling,
+                         float* out, int64_t stride) {
+  for (int64_t h0 = 0; h0 < g; h0 += 4) {
+    const float* qh = q + h0 * dim_pad;
+    float* o = out + h0 * stride;
+    switch (std::min<int64_t>(4, g - h0)) {
+      case 1: row_logits<1, KT>(row, qh, dim, dim_pad, scaling, o, stride); break;
+      case 2: row_logits<2, KT>(row, qh, dim, dim_pad, scaling, o, stride); break;
+      case 3: row_logits<3, KT>(row, qh, dim, dim_pad, scaling, o, stride); break;
+      default: row_logits<4, KT>(row, qh, dim, dim_pad, scaling, o, stride); break;
+    }
+  }
+}
+
+inline bool simd_logits(const void* row, int key_type, const float* q, int64_t g, int64_t dim, int64_t dim_pad,
+                        float scaling, float* out, int64_t stride) {
+  if (key_type == BF16) heads_logits<BF16>(row, q, g, dim, dim_pad, scaling, out, stride);
+  else if (key_type == F32) heads_logits<F32>(row, q, g, dim, dim_pad, scaling, out, stride);
+  else heads_logits<F16>(row, q, g, dim, dim_pad, scaling, out, stride);
+  return true;
+}
+#else
+inline bool simd_logits(const void*, int, const float*, int64_t, int64_t, int64_t, float, float*, int64_t) {
+  return false;
+}
+#endif
 
 // lane-parallel sum and maximum of x[0, n) (fixed order: lane j sums x[j], x[j + 16], ..., then the tree)
 float sum_lanes(const float* x, int64_t n) {
@@ -236,20 +330,24 @@ void scan_group(const uint8_t* codes, const int8_t* wq, int64_t dim_q, int32_t* 
   const __m512i shifts = _mm512_set_epi16(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4,
                                           2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
   const __m512i low2 = _mm512_set1_epi8(3);
-  for (int tb = 0; tb < 4; ++tb) {
-    __m512i a[G];
-    for (int h = 0; h < G; ++h) a[h] = _mm512_setzero_si512();
-    for (int64_t c = 0; c < quads; ++c) {
-      __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (c * 4 + tb) * 16));
-      __m512i v = _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i32x4(packed), shifts), low2);
-      for (int h = 0; h < G; ++h) {
-        int32_t w;
-        std::memcpy(&w, wq + h * dim_q + c * 4, 4);
-        a[h] = _mm512_dpbusd_epi32(a[h], v, _mm512_set1_epi32(w));
-      }
+  __m512i a[G][4];
+  for (int h = 0; h < G; ++h)
+    for (int tb = 0; tb < 4; ++tb) a[h][tb] = _mm512_setzero_si512();
+  for (int64_t c = 0; c < quads; ++c) {
+    __m512i v[4];
+    for (int tb = 0; tb < 4; ++tb) {
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (c * 4 + tb) * 16));
+      v[tb] = _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i32x4(packed), shifts), low2);
     }
-    for (int h = 0; h < G; ++h) _mm512_storeu_si512(acc + h * GROUP + tb * 16, a[h]);
+    for (int h = 0; h < G; ++h) {
+      int32_t w;
+      std::memcpy(&w, wq + h * dim_q + c * 4, 4);
+      const __m512i wb = _mm512_set1_epi32(w);
+      for (int tb = 0; tb < 4; ++tb) a[h][tb] = _mm512_dpbusd_epi32(a[h][tb], v[tb], wb);
+    }
   }
+  for (int h = 0; h < G; ++h)
+    for (int tb = 0; tb < 4; ++tb) _mm512_storeu_si512(acc + h * GROUP + tb * 16, a[h][tb]);
 #elif defined(__AVX2__)
   const __m256i shift_lo = _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0);
   const __m256i shift_hi = _mm256_set_epi32(6, 6, 6, 6, 4, 4, 4, 4);
@@ -303,49 +401,85 @@ void scan_dispatch(int g, const uint8_t* codes, const int8_t* wq, int64_t dim_q,
   }
 }
 
+// Int8 weights of one (group, query head): w = q * step, sigma = max|w| / 127, w8 = round(w * (1 / sigma)) (0 when
+// sigma is 0; |w * (1 / sigma)| <= 127.5 rounds into int8); bias = q . low summed as dot_lanes. All arrays hold
+// dim_pad floats (zero past the channels). Returns sigma; writes bias.
+float group_weights(const float* __restrict q, const float* __restrict step, const float* __restrict low,
+                    int64_t dim_pad, int64_t dq, float* __restrict w, int8_t* __restrict w8, float& bias) {
+#if defined(__AVX512F__)
+  __m512 peak = _mm512_setzero_ps(), acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim_pad; d += LANES) {
+    const __m512 qv = _mm512_loadu_ps(q + d);
+    const __m512 wv = _mm512_mul_ps(qv, _mm512_loadu_ps(step + d));
+    _mm512_storeu_ps(w + d, wv);
+    peak = _mm512_max_ps(peak, _mm512_abs_ps(wv));
+    acc = _mm512_fmadd_ps(qv, _mm512_loadu_ps(low + d), acc);
+  }
+  bias = tree_sum16(acc);
+  const float sigma = _mm512_reduce_max_ps(peak) / 127.0f;
+  if (!(sigma > 0.0f)) {
+    std::memset(w8, 0, dq);
+    return sigma;
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / sigma);
+  int64_t d = 0;
+  for (; d + LANES <= dq; d += LANES) {
+    const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(w + d), inv),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(w8 + d), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r)));
+  }
+  for (; d < dq; ++d) w8[d] = static_cast<int8_t>(static_cast<int32_t>(std::nearbyint(w[d] * (1.0f / sigma))));
+  return sigma;
+#else
+  float peak[LANES] = {0}, acc[LANES] = {0};
+  for (int64_t d = 0; d < dim_pad; d += LANES)
+    for (int j = 0; j < LANES; ++j) {
+      w[d + j] = q[d + j] * step[d + j];
+      const float v = std::fabs(w[d + j]);
+      peak[j] = peak[j] > v ? peak[j] : v;
+      acc[j] = std::fma(q[d + j], low[d + j], acc[j]);
+    }
+  bias = tree_sum(acc);
+  float top = 0.0f;
+  for (int j = 0; j < LANES; ++j) top = top > peak[j] ? top : peak[j];
+  const float sigma = top / 127.0f;
+  if (!(sigma > 0.0f)) {
+    for (int64_t d = 0; d < dq; ++d) w8[d] = 0;
+    return sigma;
+  }
+  const float inv = 1.0f / sigma;
+  for (int64_t d = 0; d < dq; ++d) w[d] = std::nearbyint(w[d] * inv);
+  for (int64_t d = 0; d < dq; ++d) w8[d] = static_cast<int8_t>(static_cast<int32_t>(w[d]));
+  return sigma;
+#endif
+}
+
 // approximate scaled logits of every covered position: approx[h * covered + i], i = position - group_first
 void scan_index(const Call& c, int64_t task, const float* q, int64_t groups, Scratch& s) {
-  const int64_t G = c.group, dq = c.dim_q, covered = groups * GROUP;
+  const int64_t G = c.group, dq = c.dim_q, covered = groups * GROUP, dim_pad = c.dim_pad;
   const uint8_t* codes = reinterpret_cast<const uint8_t*>(c.codes_ptr[task]);
   const uint16_t* params = reinterpret_cast<const uint16_t*>(c.params_ptr[task]);
-  const int64_t dq_pad = (dq + LANES - 1) / LANES * LANES;
   s.approx.resize(G * covered);
   s.wq.resize(MAX_G * dq);
-  std::vector<int32_t> acc(MAX_G * GROUP);
-  std::vector<float> w(dq_pad, 0.0f), low(dq_pad, 0.0f), qh(dq_pad, 0.0f);
+  s.acc.resize(MAX_G * GROUP);
+  s.w.assign(dim_pad, 0.0f);
+  s.low.assign(dim_pad, 0.0f);
+  s.qh.assign(dim_pad, 0.0f);  // the steps, as floats
   for (int64_t g = 0; g < groups; ++g) {
     const uint16_t* mins = params + g * 2 * dq;
     const uint16_t* steps = mins + dq;
-    for (int64_t d = 0; d < dq; ++d) low[d] = bf16_to_f32(mins[d]);
+    for (int64_t d = 0; d < dq; ++d) s.low[d] = bf16_to_f32(mins[d]);
+    for (int64_t d = 0; d < dq; ++d) s.qh[d] = bf16_to_f32(steps[d]);
     for (int64_t h0 = 0; h0 < G; h0 += MAX_G) {
       const int gh = static_cast<int>(std::min<int64_t>(MAX_G, G - h0));
       float sigma[MAX_G], bias[MAX_G];
-      for (int h = 0; h < gh; ++h) {
-        const float* qrow = q + (h0 + h) * c.dim_pad;  // zero past dim
-        for (int64_t d = 0; d < dq; ++d) w[d] = qrow[d] * bf16_to_f32(steps[d]);
-        float peak[LANES] = {0};
-        for (int64_t d = 0; d < dq_pad; d += LANES)
-          for (int j = 0; j < LANES; ++j) {
-            const float v = std::fabs(w[d + j]);
-            peak[j] = peak[j] > v ? peak[j] : v;
-          }
-        float top = 0.0f;
-        for (int j = 0; j < LANES; ++j) top = top > peak[j] ? top : peak[j];
-        sigma[h] = top / 127.0f;
-        for (int64_t d = 0; d < dq; ++d) qh[d] = qrow[d];
-        bias[h] = dot_lanes(qh.data(), low.data(), dq_pad);
-        int8_t* row = &s.wq[h * dq];
-        if (sigma[h] > 0.0f) {
-          const float sg = sigma[h];
-          for (int64_t d = 0; d < dq; ++d) row[d] = static_cast<int8_t>(std::nearbyint(w[d] / sg));
-        } else {
-          for (int64_t d = 0; d < dq; ++d) row[d] = 0;
-        }
-      }
-      scan_dispatch(gh, codes + g * 16 * dq, s.wq.data(), dq, acc.data());
+      for (int h = 0; h < gh; ++h)
+        sigma[h] = group_weights(q + (h0 + h) * dim_pad, s.qh.data(), s.low.data(), dim_pad, dq, s.w.data(),
+                                 &s.wq[h * dq], bias[h]);
+      scan_dispatch(gh, codes + g * 16 * dq, s.wq.data(), dq, s.acc.data());
       for (int h = 0; h < gh; ++h) {
         float* out = &s.approx[(h0 + h) * covered + g * GROUP];
-        const int32_t* a = &acc[h * GROUP];
+        const int32_t* a = &s.acc[h * GROUP];
         const float sg = sigma[h], bs = bias[h];
         for (int64_t t = 0; t < GROUP; ++t) out[t] = c.scaling * (bs + sg * static_cast<float>(a[t]));
       }
@@ -399,9 +533,18 @@ void run_task(const Call& c, int64_t task, Scratch& s) {
   s.row.assign(c.dim_pad, 0.0f);
   s.logits.resize(G * n);
   int64_t hint = 0;
+  int64_t ahead_hint = 0;
+  const int64_t row_bytes = c.dim * (c.key_type == F32 ? 4 : 2);
   for (int64_t r = 0; r < n; ++r) {
-    to_float(key_row(c, task, s.positions[r], hint), c.key_type, c.dim, s.row.data());
-    dots_dispatch(G, s.q.data(), s.row.data(), c.dim_pad, c.scaling, &s.logits[r], n);
+    if (r + PREFETCH < n && s.positions[r + PREFETCH] != s.positions[r] + PREFETCH) {  // scattered rows: ask ahead
+      const char* next = static_cast<const char*>(key_row(c, task, s.positions[r + PREFETCH], ahead_hint));
+      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off);
+    }
+    const void* row = key_row(c, task, s.positions[r], hint);
+    if (!simd_logits(row, c.key_type, s.q.data(), G, c.dim, c.dim_pad, c.scaling, &s.logits[r], n)) {
+      to_float(row, c.key_type, c.dim, s.row.data());
+      dots_dispatch(G, s.q.data(), s.row.data(), c.dim_pad, c.scaling, &s.logits[r], n);
+    }
   }
   s.score.assign(n, 0.0f);
   for (int64_t h = 0; h < G; ++h) {
@@ -453,6 +596,65 @@ int dc_cpu_features() {
 
 // Select for every (sequence, KV head) of one call; see `Call` for the arguments. Returns 0, or -1 on an
 // internal error (std::bad_alloc), with the outputs undefined.
+// Quantize `count` groups of GROUP contiguous key rows of `dim` channels (codes.py's format; the same numbers as
+// codes.quantize): packed (count, 16 * dim_q) uint8, params (count, 2, dim_q) bf16 [minimum | step].
+void dc_quantize(const void* keys, int key_type, int64_t count, int64_t dim, int64_t dim_q, uint8_t* packed,
+                 uint16_t* params, int threads) {
+  const int64_t worth = std::max<int64_t>(1, count * GROUP / MIN_POSITIONS_PER_THREAD);
+  const int workers = static_cast<int>(std::max<int64_t>(1, std::min({static_cast<int64_t>(threads), count, worth})));
+  auto work = [&](int worker) {
+    std::vector<float> rows(GROUP * dim_q, 0.0f);
+    std::vector<uint8_t> code(GROUP * dim_q);
+    const int64_t elem = key_type == F32 ? 4 : 2;
+    for (int64_t n = worker; n < count; n += workers) {
+      const char* base = static_cast<const char*>(keys) + n * GROUP * dim * elem;
+      for (int64_t t = 0; t < GROUP; ++t) to_float(base + t * dim * elem, key_type, dim, &rows[t * dim_q]);
+      uint16_t* low_out = params + n * 2 * dim_q;
+      uint16_t* step_out = low_out + dim_q;
+      for (int64_t d = 0; d < dim_q; ++d) {
+        float lo = rows[d], hi = rows[d];
+        for (int64_t t = 1; t < GROUP; ++t) {
+          const float v = rows[t * dim_q + d];
+          lo = v < lo ? v : lo;
+          hi = v > hi ? v : hi;
+        }
+        const uint16_t low_b = f32_to_bf16(lo);
+        const float low = bf16_to_f32(low_b);
+        const uint16_t step_b = f32_to_bf16((hi - low) / 3.0f);
+        const float step = bf16_to_f32(step_b);
+        const float safe = step > 0.0f ? step : 1.0f;
+        low_out[d] = low_b;
+        step_out[d] = step_b;
+        for (int64_t t = 0; t < GROUP; ++t) {
+          float c = std::nearbyint((rows[t * dim_q + d] - low) / safe);
+          c = c < 0.0f ? 0.0f : (c > 3.0f ? 3.0f : c);
+          code[t * dim_q + d] = static_cast<uint8_t>(c);
+        }
+      }
+      uint8_t* out = packed + n * 16 * dim_q;
+      for (int64_t quad = 0; quad < dim_q / 4; ++quad)
+        for (int64_t tb = 0; tb < 4; ++tb) {
+          uint8_t* chunk = out + (quad * 4 + tb) * 16;
+          for (int k = 0; k < 16; ++k) chunk[k] = 0;
+          for (int p = 0; p < 64; ++p) {
+            const int64_t t = tb * 16 + p / 4, d = quad * 4 + p % 4;
+            chunk[p % 16] |= static_cast<uint8_t>(code[t * dim_q + d] << (2 * (p / 16)));
+          }
+        }
+    }
+  };
+  std::vector<std::thread> pool_threads;
+  for (int w = 1; w < workers; ++w) pool_threads.emplace_back(work, w);
+  work(0);
+  for (auto& t : pool_threads) t.join();
+}
+
+// Free the scratch buffers kept between calls (idempotent; calls running meanwhile keep theirs).
+void dc_release_scratch() {
+  std::lock_guard<std::mutex> guard(pool_lock);
+  pool.clear();
+}
+
 int dc_select(int64_t batch, int64_t kv_heads, int64_t group, int64_t dim, int key_type, const float* query,
               float scaling, int64_t end, const uint8_t* mask, int64_t n_segs, const int64_t* seg_start,
               const int64_t* seg_len, const int64_t* seg_ptr, const int64_t* codes_ptr, const int64_t* params_ptr,
@@ -462,12 +664,15 @@ int dc_select(int64_t batch, int64_t kv_heads, int64_t group, int64_t dim, int k
          n_segs, seg_start, seg_len, seg_ptr, codes_ptr, params_ptr, group_first, n_groups, dim_q, shortlist,
          budget, out_indices, out_valid};
   const int64_t tasks = batch * kv_heads;
-  const int workers = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
+  // a thread is started per call: only for work that outweighs starting it (the result never depends on it)
+  const int64_t worth = std::max<int64_t>(1, tasks * end / MIN_POSITIONS_PER_THREAD);
+  const int workers = static_cast<int>(std::max<int64_t>(1, std::min({static_cast<int64_t>(threads), tasks, worth})));
   std::vector<int> failed(workers, 0);
   auto work = [&](int w) {
     try {
-      Scratch s;
-      for (int64_t t = w; t < tasks; t += workers) run_task(c, t, s);
+      std::unique_ptr<Scratch> s = take_scratch();
+      for (int64_t t = w; t < tasks; t += workers) run_task(c, t, *s);
+      give_scratch(std::move(s));
     } catch (...) {
       failed[w] = 1;
     }

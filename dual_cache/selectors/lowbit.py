@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .. import engine
-from ..engine.codes import GROUP, padded_dim, quantize
+from ..engine.codes import GROUP, padded_dim, quantize_fast
 from ..host_store import host_tensor
 from .base import Candidates, Selector
 
@@ -98,7 +98,7 @@ class LowBitSelector(Selector):
             have = self.n_groups[row]
             lo = self.group_first[row] + have * GROUP
             keys = self._keys(lo, lo + (want - have) * GROUP, row).reshape(kv_heads * (want - have), GROUP, dim)
-            packed, params = quantize(keys)
+            packed, params = quantize_fast(keys)
             self.packed[row, :, have:want] = packed.view(kv_heads, want - have, -1)
             self.params[row, :, have:want] = params.view(kv_heads, want - have, 2, -1)
             self.n_groups[row] = want
