@@ -8,7 +8,8 @@
 | `dual-none` | b | `{"budget": b, "speculator": "none"}`: the previous real token's selection (what speculation buys) |
 | `oracle` | b | `{"budget": b, "selector": "oracle"}`: the real token's own top-k (upper bound) |
 | `streaming` | 0 | `{"budget": 0, "early_layers": 0, "speculator": "none"}`: StreamingLLM-style sink + window only |
-| `dual-clusters` / `dual-exact` | b | `dual` with the host index (at any context length) / exact top-k over every key |
+| `dual-clusters` / `dual-exact` | b | `dual` with the cluster index (at any context length) / exact top-k over every key |
+| `dual-lowbit` | b | `dual` with the 2-bit key index and exact rescoring of `lowbit_factor × b` positions |
 | `quest` | b | `{"budget": b, "selector": "quest", "block_size": 16, "speculator": "none"}`: Quest-style pages ranked by min/max key bounds |
 
 Budgets are reported as given (`budget`), although the dual configurations' first two layers retrieve
@@ -36,6 +37,7 @@ CACHE_CONFIGS: dict[str, dict[str, Any] | None] = {
     "dual-exact": {"selector": "exact"},
     "dual-clusters": {"selector": "clusters", "cluster_min_context": 0},  # the host index at any context length
     "dual-shortlist": {"selector": "shortlist"},
+    "dual-lowbit": {"selector": "lowbit"},  # the 2-bit key index + exact rescoring (native engine)
     "oracle": {"selector": "oracle"},  # the real token's own top-k: upper bound
     "streaming": {"budget": 0, "early_layers": 0, "speculator": "none"},  # sink + window only
     "quest": {"selector": "quest", "block_size": 16, "speculator": "none"},  # one token per step, own query

@@ -185,9 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     n_sink, window = 4, 64
     results: dict[int, list[dict]] = {i: [] for i in range(len(configs))}
-    for _, queries, keys, scaling in recorded_layers(args, seeds):
+    by_layer: dict[int, dict[int, list[torch.Tensor]]] = {i: {} for i in range(len(configs))}
+    for layer, queries, keys, scaling in recorded_layers(args, seeds):
         for index, value in layer_recalls(queries, keys, scaling, args.budget, configs, n_sink, window).items():
             results[index].append(value)
+            by_layer[index].setdefault(layer, []).append(value["recall"])
     rows = []
     for index, (name, options) in enumerate(configs):
         parts = results[index]
@@ -198,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             "index_fraction": sum(p["index_bytes"] for p in parts) / sum(p["kv_bytes"] for p in parts),
             "build_ms_per_1k_tokens": 1e3 * sum(p["build_s"] for p in parts) / len(parts) / (args.tokens / 1000),
             "select_ms": 1e3 * sum(p["select_s"] for p in parts) / len(parts),
+            "per_layer": {layer: recall_summary(torch.cat(values)) for layer, values in sorted(by_layer[index].items())},
         })
     label = model_display_name(args.model)
     lines = [f"Recall of the exact top-{args.budget} attention mass per selector; {label}, word-needle prompts of "
@@ -208,6 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"| {r['selector']} | {json.dumps(r['options']) if r['options'] else 'default'} | {r['mean']:.4f} | "
               f"{r['p10']:.4f} | {r['min']:.4f} | {r['keys_read']:.1%} | {r['index_fraction']:.1%} | "
               f"{r['build_ms_per_1k_tokens']:.3g} | {r['select_ms']:.3g} |" for r in rows]
+    layers = sorted(rows[0]["per_layer"]) if rows else []
+    lines += ["", "Per layer (mean / p10):", "",
+              "| selector | options | " + " | ".join(f"layer {layer}" for layer in layers) + " |",
+              "|---|---|" + "---|" * len(layers)]
+    lines += [f"| {r['selector']} | {json.dumps(r['options']) if r['options'] else 'default'} | " + " | ".join(
+              f"{r['per_layer'][layer]['mean']:.3f} / {r['per_layer'][layer]['p10']:.3f}" for layer in layers) + " |"
+              for r in rows]
     table = "\n".join(lines) + "\n"
     print(table)
     if args.out:

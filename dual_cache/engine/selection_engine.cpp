@@ -602,45 +602,57 @@ void dc_quantize(const void* keys, int key_type, int64_t count, int64_t dim, int
                  uint16_t* params, int threads) {
   const int64_t worth = std::max<int64_t>(1, count * GROUP / MIN_POSITIONS_PER_THREAD);
   const int workers = static_cast<int>(std::max<int64_t>(1, std::min({static_cast<int64_t>(threads), count, worth})));
-  auto work = [&](int worker) {
+  auto work = [=](int worker) {  // by value: stores through uint8_t pointers could alias captured references
     std::vector<float> rows(GROUP * dim_q, 0.0f);
     std::vector<uint8_t> code(GROUP * dim_q);
+    std::vector<float> lows(dim_q), highs(dim_q), safes(dim_q);
     const int64_t elem = key_type == F32 ? 4 : 2;
     for (int64_t n = worker; n < count; n += workers) {
       const char* base = static_cast<const char*>(keys) + n * GROUP * dim * elem;
       for (int64_t t = 0; t < GROUP; ++t) to_float(base + t * dim * elem, key_type, dim, &rows[t * dim_q]);
       uint16_t* low_out = params + n * 2 * dim_q;
       uint16_t* step_out = low_out + dim_q;
-      for (int64_t d = 0; d < dim_q; ++d) {
-        float lo = rows[d], hi = rows[d];
-        for (int64_t t = 1; t < GROUP; ++t) {
-          const float v = rows[t * dim_q + d];
-          lo = v < lo ? v : lo;
-          hi = v > hi ? v : hi;
-        }
-        const uint16_t low_b = f32_to_bf16(lo);
-        const float low = bf16_to_f32(low_b);
-        const uint16_t step_b = f32_to_bf16((hi - low) / 3.0f);
-        const float step = bf16_to_f32(step_b);
-        const float safe = step > 0.0f ? step : 1.0f;
-        low_out[d] = low_b;
-        step_out[d] = step_b;
-        for (int64_t t = 0; t < GROUP; ++t) {
-          float c = std::nearbyint((rows[t * dim_q + d] - low) / safe);
-          c = c < 0.0f ? 0.0f : (c > 3.0f ? 3.0f : c);
-          code[t * dim_q + d] = static_cast<uint8_t>(c);
+      float* __restrict lo = lows.data();
+      float* __restrict hi = highs.data();
+      float* __restrict safe = safes.data();
+      for (int64_t d = 0; d < dim_q; ++d) lo[d] = hi[d] = rows[d];
+      for (int64_t t = 1; t < GROUP; ++t) {
+        const float* __restrict v = &rows[t * dim_q];
+        for (int64_t d = 0; d < dim_q; ++d) {
+          lo[d] = v[d] < lo[d] ? v[d] : lo[d];
+          hi[d] = v[d] > hi[d] ? v[d] : hi[d];
         }
       }
-      uint8_t* out = packed + n * 16 * dim_q;
-      for (int64_t quad = 0; quad < dim_q / 4; ++quad)
-        for (int64_t tb = 0; tb < 4; ++tb) {
-          uint8_t* chunk = out + (quad * 4 + tb) * 16;
-          for (int k = 0; k < 16; ++k) chunk[k] = 0;
-          for (int p = 0; p < 64; ++p) {
-            const int64_t t = tb * 16 + p / 4, d = quad * 4 + p % 4;
-            chunk[p % 16] |= static_cast<uint8_t>(code[t * dim_q + d] << (2 * (p / 16)));
-          }
+      for (int64_t d = 0; d < dim_q; ++d) {
+        low_out[d] = f32_to_bf16(lo[d]);
+        lo[d] = bf16_to_f32(low_out[d]);
+        step_out[d] = f32_to_bf16((hi[d] - lo[d]) / 3.0f);
+        const float step = bf16_to_f32(step_out[d]);
+        safe[d] = step > 0.0f ? step : 1.0f;
+      }
+      for (int64_t t = 0; t < GROUP; ++t) {
+        const float* __restrict v = &rows[t * dim_q];
+        uint8_t* __restrict out_codes = &code[t * dim_q];
+        for (int64_t d = 0; d < dim_q; ++d) {
+          float c = std::nearbyint((v[d] - lo[d]) / safe[d]);
+          c = c < 0.0f ? 0.0f : (c > 3.0f ? 3.0f : c);
+          out_codes[d] = static_cast<uint8_t>(static_cast<int32_t>(c));
         }
+      }
+      // chunk (quad, tb) as 4 words: word t_off gets channels 4 quad .. 4 quad + 3 of token tb * 16 + 4 i + t_off
+      // at bit pair i (byte k = 4 t_off + channel holds element p = 16 i + k)
+      uint32_t* out = reinterpret_cast<uint32_t*>(packed + n * 16 * dim_q);
+      const int64_t quads = dim_q / 4;
+      for (int64_t j = 0; j < quads * 16; ++j) out[j] = 0;
+      for (int64_t t = 0; t < GROUP; ++t) {
+        const int64_t tb = t / 16, i = (t % 16) / 4, t_off = t % 4;
+        const uint8_t* row = &code[t * dim_q];
+        for (int64_t quad = 0; quad < quads; ++quad) {
+          uint32_t word;
+          std::memcpy(&word, row + quad * 4, 4);
+          out[(quad * 4 + tb) * 4 + t_off] |= word << (2 * i);
+        }
+      }
     }
   };
   std::vector<std::thread> pool_threads;
