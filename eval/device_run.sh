@@ -12,25 +12,27 @@
 #   2. full budget == dense and pipelined == synchronous on CUDA with the default selector (eval/gpu_check.py);
 #   3. max batch and decode throughput there under a 24 GiB device cap at 32K, then at 128K: dense, dual without
 #      miss repair, Quest, offloaded, dual at the forced miss rate $MISS, dual with every step repaired;
+#   5. issue 27: host selection alone at 32K on that host's cores (torch-exact, exact and lowbit through the native
+#      engine, which the install step builds with g++);
 #   4. issue 14: 32K decode at batch 1 and 8, dense vs dual (miss repair off and on): ms/step, overlap, wait s.
 # Each stage gets its share of the time (later stages keep theirs even when an earlier one runs long) and writes
 # its files as it goes, so a stage cut short keeps what it measured. What comes back (8 files at most):
 # $OUT/log.txt, $OUT/gpu_check.json, and summary.json + table.md in $OUT/cap24-32k, $OUT/cap24-128k,
 # $OUT/latency-32k. Knobs (environment): MISS (forced miss rate, default the embedded model's measured one),
 # HOST_GIB (host memory for the KV, default 100), CAP_GIB (device cap, default 24), TOTAL_S (default 465), STAGES
-# (which of 1a 1b 2 3a 3b 4 to run, default all: a second call can finish what a first one left).
+# (which of 1a 1b 2 3a 3b 5 4 to run, default all: a second call can finish what a first one left).
 set -u
 MISS=${MISS:-0.26}
 HOST_GIB=${HOST_GIB:-100}
 CAP_GIB=${CAP_GIB:-24}
-STAGES=" ${STAGES:-1a 1b 2 3a 3b 4} "
+STAGES=" ${STAGES:-1a 1b 2 3a 3b 5 4} "
 DEADLINE=$((SECONDS + ${TOTAL_S:-465}))
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 exec > >(tee -a "$OUT/log.txt") 2>&1
 
 # seconds each stage is promised; a stage may also use what earlier stages left, never what later ones are promised
-declare -A SHARE=([1a]=60 [1b]=20 [2]=30 [3a]=150 [3b]=80 [4]=70)
-ORDER=(1a 1b 2 3a 3b 4)
+declare -A SHARE=([1a]=60 [1b]=20 [2]=30 [3a]=150 [3b]=80 [5]=40 [4]=70)
+ORDER=(1a 1b 2 3a 3b 5 4)
 stage() {  # stage ID NAME COMMAND...
     local id=$1 name=$2 reserve=0 later=0 other
     shift 2
@@ -62,6 +64,8 @@ python3 -c "import torch, transformers, triton, dual_cache
 print('torch', torch.__version__, '| transformers', transformers.__version__, '| triton', triton.__version__,
       '| default selector', dual_cache.DualDecoderConfig().selector, '| host cores', __import__('os').cpu_count())" \
     || exit 2
+echo "== native selection engine (g++)"
+python3 -m dual_cache.engine
 
 LLAMA=(python3 -m dual_cache.eval.bench --device cuda --model llama8b --budgets 256 --no-plots --no-cells-jsonl
        --keep-going)
@@ -78,6 +82,9 @@ stage 3a "max batch at ${CAP_GIB} GiB, 32K" "${CAPPED[@]}" --contexts 32768 --pr
     --max-cell-seconds 60 --out "$OUT/cap24-32k"
 stage 3b "max batch at ${CAP_GIB} GiB, 128K" "${CAPPED[@]}" --contexts 131072 --prefill-chunk-size 8192 \
     --max-cell-seconds 45 --out "$OUT/cap24-128k"
+stage 5 "host selection alone at 32K: torch-exact, exact and lowbit through the engine" \
+    python3 -m dual_cache.eval.bench_retrieval --contexts 32768 --batches 1 8 --pools 1 16 --repeats 5 \
+    --selectors torch-exact exact lowbit --out "$OUT/host-retrieval-32k"
 stage 4 "issue 14: 32K decode, batch 1 and 8" "${LLAMA[@]}" --contexts 32768 --batches 1 8 --new-tokens 12 \
     --warmup-steps 3 --methods dense dual-no-repair dual-self --out "$OUT/latency-32k"
 echo "== done @ ${SECONDS}s"

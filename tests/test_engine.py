@@ -50,6 +50,8 @@ CASES = [  # batch, KV heads, GQA group, head dim, positions, dtype
     (1, 2, 4, 128, 2100, torch.bfloat16),
     (3, 1, 5, 20, 517, torch.float16),
     (2, 2, 9, 18, 900, torch.bfloat16),  # more than 8 query heads per KV head; a head dim not a multiple of 4
+    (1, 4, 1, 64, 800, torch.bfloat16),  # MHA: 16-row SIMD blocks
+    (2, 2, 2, 40, 650, torch.float16),  # 8-row blocks, a partial channel block
 ]
 
 

@@ -5,7 +5,7 @@ torch headers and no ABI match with the installed torch (the CUDA test machine r
 builds with the system `g++` in seconds and no extra package, and `ctypes` releases the GIL for the whole call. numba
 would add a large dependency pinned to numpy versions and has no portable access to VNNI dot products.
 
-The library is built on first use (or by `make install`, `python -m dual_cache.engine.native`) in three variants of
+The library is built on first use (or by `make install`, `python -m dual_cache.engine`) in three variants of
 the same source — `scalar` (baseline ISA), `avx2` (AVX2 + FMA + F16C) and `avx512` (AVX-512 F/BW/VL/DQ + VNNI) — into
 `$DUAL_CACHE_ENGINE_DIR` or `~/.cache/dual-cache/engine/<source hash>/`. The scalar build is loaded first and asks
 the CPU (`__builtin_cpu_supports`) which variants it can run; the best of those is used, so an older CPU never
@@ -156,7 +156,7 @@ def active_variant() -> str:
 
 
 def main() -> int:
-    """Build every variant this CPU runs and print which one is used (`python -m dual_cache.engine.native`)."""
+    """Build every variant this CPU runs and print which one is used (`python -m dual_cache.engine`)."""
     try:
         variants = supported_variants()
         for name in variants:
@@ -167,6 +167,3 @@ def main() -> int:
     print(f"native selection engine built in {build_dir()}: variants {variants}, using {variants[-1]}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

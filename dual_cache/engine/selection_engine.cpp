@@ -200,6 +200,67 @@ inline void row_logits(const void* row, const float* q, int64_t dim, int64_t dim
   for (int h = 0; h < G; ++h) out[h * stride] = scaling * tree_sum16(acc[h]);
 }
 
+// tree_sum16 of 16 vectors at once (the same additions, shared shuffles): out[i] = tree_sum16(v[i])
+inline void reduce16(const __m512* v, float* out) {
+  __m512 x[8], y[4], z[2];
+  for (int i = 0; i < 8; ++i)  // lanes j + j+8: quarters (0, 2) and (1, 3) of each vector
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // j + j+4: the two halves of each t8; y[i] quarter k = vector 4 i + k
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)  // j + j+2 within each quarter
+    z[i] = _mm512_add_ps(_mm512_shuffle_ps(y[2 * i], y[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(y[2 * i], y[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, w);  // lane 4 k + l holds vector 4 l + k
+  for (int k = 0; k < 4; ++k)
+    for (int l = 0; l < 4; ++l) out[4 * l + k] = lanes[4 * k + l];
+}
+
+// scaled logits of R = 16 / G consecutive rows (row r at rows[r]) with G query rows, as row_logits computes them
+template <int G, int KT>
+inline void block_logits(const void* const* rows, const float* q, int64_t dim, int64_t dim_pad, float scaling,
+                         float* out, int64_t stride) {
+  constexpr int R = 16 / G;
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  const int64_t full = dim / LANES * LANES;
+  for (int64_t d = 0; d < dim_pad; d += LANES) {
+    const __mmask16 m = d < full ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (dim - d)) - 1);
+    __m512 qv[G];
+    for (int h = 0; h < G; ++h) qv[h] = _mm512_loadu_ps(q + h * dim_pad + d);
+    for (int r = 0; r < R; ++r) {
+      const __m512 k = load16<KT>(rows[r], d, m);
+      for (int h = 0; h < G; ++h) acc[r * G + h] = _mm512_fmadd_ps(qv[h], k, acc[r * G + h]);
+    }
+  }
+  alignas(64) float sums[16];
+  reduce16(acc, sums);
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < G; ++h) out[h * stride + r] = scaling * sums[r * G + h];
+}
+
+// rows r0 .. r0 + 16 / g - 1 at once when g divides 16; false otherwise (the caller goes row by row)
+inline bool simd_block_logits(const void* const* rows, int key_type, const float* q, int64_t g, int64_t dim,
+                              int64_t dim_pad, float scaling, float* out, int64_t stride) {
+#define DC_BLOCK(G)                                                                                    \
+  case G:                                                                                             \
+    if (key_type == BF16) block_logits<G, BF16>(rows, q, dim, dim_pad, scaling, out, stride);         \
+    else if (key_type == F32) block_logits<G, F32>(rows, q, dim, dim_pad, scaling, out, stride);      \
+    else block_logits<G, F16>(rows, q, dim, dim_pad, scaling, out, stride);                           \
+    return true;
+  switch (g) {
+    DC_BLOCK(1)
+    DC_BLOCK(2)
+    DC_BLOCK(4)
+    default: return false;
+  }
+#undef DC_BLOCK
+}
+
 template <int KT>
 inline void heads_logits(const void* row, const float* q, int64_t g, int64_t dim, int64_t dim_pad, float scaling,
                          float* out, int64_t stride) {
@@ -224,6 +285,10 @@ inline bool simd_logits(const void* row, int key_type, const float* q, int64_t g
 }
 #else
 inline bool simd_logits(const void*, int, const float*, int64_t, int64_t, int64_t, float, float*, int64_t) {
+  return false;
+}
+inline bool simd_block_logits(const void* const*, int, const float*, int64_t, int64_t, int64_t, float, float*,
+                              int64_t) {
   return false;
 }
 #endif
@@ -535,10 +600,26 @@ void run_task(const Call& c, int64_t task, Scratch& s) {
   int64_t hint = 0;
   int64_t ahead_hint = 0;
   const int64_t row_bytes = c.dim * (c.key_type == F32 ? 4 : 2);
+  const int64_t block = 16 % G == 0 && G <= 4 ? 16 / G : 0;  // rows per SIMD block (0: row by row)
+  const void* rows[16];
   for (int64_t r = 0; r < n; ++r) {
     if (r + PREFETCH < n && s.positions[r + PREFETCH] != s.positions[r] + PREFETCH) {  // scattered rows: ask ahead
       const char* next = static_cast<const char*>(key_row(c, task, s.positions[r + PREFETCH], ahead_hint));
       for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off);
+    }
+    if (block && r % block == 0 && r + block <= n) {
+      for (int64_t i = 0; i < block; ++i) rows[i] = key_row(c, task, s.positions[r + i], hint);
+      if (simd_block_logits(rows, c.key_type, s.q.data(), G, c.dim, c.dim_pad, c.scaling, &s.logits[r], n)) {
+        for (int64_t i = 1; i < block; ++i) {  // the block's other rows: prefetch only
+          const int64_t ahead = r + i + PREFETCH;
+          if (ahead < n && s.positions[ahead] != s.positions[r + i] + PREFETCH) {
+            const char* next = static_cast<const char*>(key_row(c, task, s.positions[ahead], ahead_hint));
+            for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off);
+          }
+        }
+        r += block - 1;
+        continue;
+      }
     }
     const void* row = key_row(c, task, s.positions[r], hint);
     if (!simd_logits(row, c.key_type, s.q.data(), G, c.dim, c.dim_pad, c.scaling, &s.logits[r], n)) {
