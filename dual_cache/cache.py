@@ -180,7 +180,7 @@ class DualDecoderCache(Cache):
                     f"This DualDecoderCache holds {held} sequence(s); a request continuing them must have the same "
                     f"batch size, got {batch_size}"
                     + ("." if held != 1 else f": selector={self.dual_config.selector!r} cannot share one stored "
-                       "sequence across a batch (use 'clusters', 'exact' or 'block').")
+                       f"sequence across a batch (use one of {[n for n, c in SELECTORS.items() if c.shares_prefix]}).")
                 )
             # only the new positions are each sequence's own: the stored ones are kept (shared when held == 1)
             needed = self.host_bytes_needed(batch_size, tokens - stored, dtype, prompt_tokens=input_tokens - stored)

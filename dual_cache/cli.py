@@ -100,7 +100,8 @@ def _dual_config(args) -> DualDecoderConfig:
     return DualDecoderConfig(
         budget=args.budget, n_sink=args.n_sink, window=args.window, speculator=args.speculator,
         miss_repair=not args.no_miss_repair, repair_drift=args.repair_drift, selector=args.selector,
-        shortlist_channels=args.shortlist_channels, shortlist_factor=args.shortlist_factor, prefill_progress=True,
+        shortlist_channels=args.shortlist_channels, shortlist_factor=args.shortlist_factor,
+        lowbit_factor=args.lowbit_factor, prefill_progress=True,
     )
 
 
@@ -157,8 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--window", type=int, default=64, help="local window kept on the device (tokens)")
         p.add_argument("--speculator", default="self", choices=["self", "ngram", "none"])
         p.add_argument("--selector", default=DualDecoderConfig().selector, choices=list(SELECTORS),
-                       help="host selection (dual_cache/selectors/): clusters (the host index), exact top-k over every "
-                            "key, block, shortlist, oracle, quest")
+                       help="host selection (dual_cache/selectors/): exact top-k over every key (native engine), "
+                            "lowbit (2-bit key index + exact rescoring), clusters, block, shortlist, oracle, quest "
+                            "(default %(default)s)")
+        p.add_argument("--lowbit-factor", type=int, default=4,
+                       help="lowbit: positions rescored exactly per KV head, as a multiple of the budget")
         p.add_argument("--shortlist-channels", type=int, default=None,
                        help="shortlist: query channels scored per KV head (default head_dim / 8)")
         p.add_argument("--shortlist-factor", type=int, default=8,

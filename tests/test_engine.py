@@ -52,6 +52,7 @@ CASES = [  # batch, KV heads, GQA group, head dim, positions, dtype
     (2, 2, 9, 18, 900, torch.bfloat16),  # more than 8 query heads per KV head; a head dim not a multiple of 4
     (1, 4, 1, 64, 800, torch.bfloat16),  # MHA: 16-row SIMD blocks
     (2, 2, 2, 40, 650, torch.float16),  # 8-row blocks, a partial channel block
+    (1, 2, 4, 32, 9000, torch.bfloat16),  # long enough for the sampled threshold of the top-k
 ]
 
 
@@ -84,10 +85,11 @@ def test_shared_prefix_chunk_and_more_budget_than_candidates():
             assert torch.equal(got[1].sum(-1), mask.sum(-1, keepdim=True).expand(-1, 2))
 
 
-def test_equal_scores_go_to_the_lower_position():
+@pytest.mark.parametrize("n", [500, 20000])  # the sampled threshold of the top-k runs on the longer one
+def test_equal_scores_go_to_the_lower_position(n):
     key = torch.randn(1, 1, 1, 16)
-    keys = [key.expand(1, 1, 500, 16).contiguous()]  # every key equal: every mass ties
-    mask = torch.ones(1, 480, dtype=torch.bool)
+    keys = [key.expand(1, 1, n, 16).contiguous()]  # every key equal: every mass ties
+    mask = torch.ones(1, n - 20, dtype=torch.bool)
     mask[0, :4] = False
     indices, valid = engine.select(torch.randn(1, 2, 16), mask, keys, 10, 0.25)
     assert valid.all() and indices[0, 0].tolist() == list(range(4, 14))

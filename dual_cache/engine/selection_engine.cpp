@@ -13,6 +13,7 @@
 // Floating-point work is written as fixed 16-lane loops with no contraction (-ffp-contract=off), so every build
 // variant and thread count returns the same selection.
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -78,7 +79,8 @@ struct Scratch {
   std::vector<int32_t> hist;
   std::vector<int8_t> wq;
   std::vector<int32_t> acc;
-  std::vector<float> w, low, qh, wround;
+  std::vector<float> w, low, qh, wround, sample, kept_score;
+  std::vector<int64_t> kept;
 };
 
 // Scratch buffers outlive a call (a fresh multi-MiB buffer per call would be faulted in page by page): a free
@@ -347,7 +349,41 @@ inline uint32_t order_key(float f) {
 // indices (into [0, n)) of the m best scores, in no particular order; ties broken by lower index (the positions
 // are ascending). Radix selection on the order-preserving integer image of the scores: 11 bits per pass, each pass
 // over the elements that share the boundary prefix only.
+void radix_top_m(const float* score, int64_t n, int64_t m, Scratch& s, std::vector<int64_t>& out);
+
 void top_m(const float* score, int64_t n, int64_t m, Scratch& s, std::vector<int64_t>& out) {
+  out.clear();
+  if (m >= n) {
+    for (int64_t i = 0; i < n; ++i) out.push_back(i);
+    return;
+  }
+  if (m <= 0) return;
+  if (n >= 8192 && m * 8 <= n) {
+    // Most positions lose: a threshold from every 16th score keeps ~1.5 m of them, then the exact selection runs
+    // on those (every score at or above the threshold is kept, so when at least m are, the result is the same).
+    s.sample.clear();
+    for (int64_t i = 0; i < n; i += 16) s.sample.push_back(score[i]);
+    const int64_t rank = std::min<int64_t>(static_cast<int64_t>(s.sample.size()) - 1, m * 3 / 32 + 8);
+    std::nth_element(s.sample.begin(), s.sample.begin() + rank, s.sample.end(), std::greater<float>());
+    const float threshold = s.sample[rank];
+    s.kept.clear();
+    s.kept_score.clear();
+    for (int64_t i = 0; i < n; ++i)
+      if (score[i] >= threshold) {
+        s.kept.push_back(i);
+        s.kept_score.push_back(score[i]);
+      }
+    if (static_cast<int64_t>(s.kept.size()) >= m) {
+      std::vector<int64_t> local;
+      radix_top_m(s.kept_score.data(), static_cast<int64_t>(s.kept.size()), m, s, local);
+      for (int64_t i : local) out.push_back(s.kept[i]);
+      return;
+    }
+  }
+  radix_top_m(score, n, m, s, out);
+}
+
+void radix_top_m(const float* score, int64_t n, int64_t m, Scratch& s, std::vector<int64_t>& out) {
   out.clear();
   if (m >= n) {
     for (int64_t i = 0; i < n; ++i) out.push_back(i);
