@@ -352,13 +352,7 @@ inline uint32_t order_key(float f) {
 void radix_top_m(const float* score, int64_t n, int64_t m, Scratch& s, std::vector<int64_t>& out);
 
 void top_m(const float* score, int64_t n, int64_t m, Scratch& s, std::vector<int64_t>& out) {
-  out.clear();
-  if (m >= n) {
-    for (int64_t i = 0; i < n; ++i) out.push_back(i);
-    return;
-  }
-  if (m <= 0) return;
-  if (n >= 8192 && m * 8 <= n) {
+  if (n >= 8192 && m > 0 && m * 8 <= n) {
     // Most positions lose: a threshold from every 16th score keeps ~1.5 m of them, then the exact selection runs
     // on those (every score at or above the threshold is kept, so when at least m are, the result is the same).
     s.sample.clear();
@@ -374,9 +368,8 @@ void top_m(const float* score, int64_t n, int64_t m, Scratch& s, std::vector<int
         s.kept_score.push_back(score[i]);
       }
     if (static_cast<int64_t>(s.kept.size()) >= m) {
-      std::vector<int64_t> local;
-      radix_top_m(s.kept_score.data(), static_cast<int64_t>(s.kept.size()), m, s, local);
-      for (int64_t i : local) out.push_back(s.kept[i]);
+      radix_top_m(s.kept_score.data(), static_cast<int64_t>(s.kept.size()), m, s, out);
+      for (int64_t& i : out) i = s.kept[i];
       return;
     }
   }
