@@ -157,6 +157,7 @@ def test_lowbit_selector_with_a_shortlist_of_everything_selects_what_exact_selec
 
 def test_a_compiler_that_fails_falls_back_to_the_reference_with_one_warning(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_resolved", {})
     monkeypatch.setattr(native, "_failure", None)
     monkeypatch.setattr(native, "_warned", False)
     monkeypatch.setenv("DUAL_CACHE_ENGINE_DIR", str(tmp_path))

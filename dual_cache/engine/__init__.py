@@ -94,13 +94,13 @@ def _native_select(library, query, mask, keys, budget, scaling, view, shortlist,
     element = keys[0].element_size()
     starts, lengths, pointers = [], [], []
     start = 0
-    rows = torch.arange(batch)[:, None] * 0
+    shared = torch.zeros(batch, 1, dtype=torch.long)  # a chunk of batch 1: every sequence reads its row 0
     heads = torch.arange(kv_heads)[None, :]
     for chunk in keys:
         starts.append(start)
         lengths.append(chunk.shape[2])
         start += chunk.shape[2]
-        sequences = torch.arange(batch)[:, None] if chunk.shape[0] > 1 else rows
+        sequences = torch.arange(batch)[:, None] if chunk.shape[0] > 1 else shared
         pointers.append(chunk.data_ptr() + (sequences * chunk.stride(0) + heads * chunk.stride(1)) * element)
     seg_start = torch.tensor(starts, dtype=torch.long)
     seg_len = torch.tensor(lengths, dtype=torch.long)

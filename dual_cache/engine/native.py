@@ -41,6 +41,7 @@ CHOICES = ("auto", "reference", *VARIANTS)
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL] = {}
+_resolved: dict[str, ctypes.CDLL] = {}  # DUAL_CACHE_ENGINE value -> the library it resolved to
 _failure: str | None = None  # why the engine cannot be built or loaded (then the reference runs)
 _warned = False
 
@@ -129,12 +130,15 @@ def library(variant: str | None = None) -> ctypes.CDLL | None:
     wanted = variant or choice()
     if wanted == "reference":
         return None
+    if wanted in _resolved:  # called per layer per step: resolve each choice once
+        return _resolved[wanted]
     if wanted == "auto":
         if _failure is None:
             try:
-                wanted = supported_variants()[-1]
+                best = supported_variants()[-1]
                 with _lock:
-                    return _load(wanted)
+                    _resolved["auto"] = _load(best)
+                return _resolved["auto"]
             except (OSError, RuntimeError, subprocess.SubprocessError) as error:
                 _failure = str(error)
         if not _warned:
@@ -146,7 +150,8 @@ def library(variant: str | None = None) -> ctypes.CDLL | None:
     if wanted not in supported_variants():
         raise RuntimeError(f"DUAL_CACHE_ENGINE={wanted!r}: this CPU cannot run it (it runs {supported_variants()}).")
     with _lock:
-        return _load(wanted)
+        _resolved[wanted] = _load(wanted)
+    return _resolved[wanted]
 
 
 def active_variant() -> str:

@@ -13,7 +13,6 @@ selectable range grows (prefill chunks, then decode steps). Host bytes: `D/4 + D
 
 from __future__ import annotations
 
-
 import torch
 
 from .. import engine
