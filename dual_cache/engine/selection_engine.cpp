@@ -73,14 +73,14 @@ struct Call {
 };
 
 struct Scratch {
-  std::vector<float> q, row, logits, approx, score, exps;
-  std::vector<int64_t> positions, chosen, pick, pick_boundary, next;
+  std::vector<float> q, row, logits, approx, score;
+  std::vector<int64_t> positions, chosen, pick_boundary, next;
   std::vector<uint32_t> keys;
   std::vector<int32_t> hist;
   std::vector<int8_t> wq;
   std::vector<int32_t> acc;
-  std::vector<float> w, low, qh, wround, sample, kept_score;
-  std::vector<int64_t> kept;
+  std::vector<float> w, low, qh, sample, kept_score, peak;
+  std::vector<int32_t> kept_index;
 };
 
 // Scratch buffers outlive a call (a fresh multi-MiB buffer per call would be faulted in page by page): a free
@@ -351,6 +351,34 @@ inline uint32_t order_key(float f) {
 // over the elements that share the boundary prefix only.
 void radix_top_m(const float* score, int64_t n, int64_t m, Scratch& s, std::vector<int64_t>& out);
 
+// the scores >= threshold and their indices, ascending, into s.kept_score / s.kept_index; returns their count
+int64_t keep_at_least(const float* score, int64_t n, float threshold, Scratch& s) {
+  s.kept_score.resize(n + LANES);  // whole-vector stores past the count (compress to memory is slow on Zen 4)
+  s.kept_index.resize(n + LANES);
+  float* ks = s.kept_score.data();
+  int32_t* ki = s.kept_index.data();
+  int64_t count = 0, i = 0;
+#if defined(__AVX512F__)
+  const __m512 th = _mm512_set1_ps(threshold);
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (; i + LANES <= n; i += LANES) {
+    const __m512 v = _mm512_loadu_ps(score + i);
+    const __mmask16 hit = _mm512_cmp_ps_mask(v, th, _CMP_GE_OQ);
+    if (!hit) continue;
+    _mm512_storeu_ps(ks + count, _mm512_maskz_compress_ps(hit, v));
+    const __m512i index = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(i)));
+    _mm512_storeu_si512(ki + count, _mm512_maskz_compress_epi32(hit, index));
+    count += __builtin_popcount(hit);
+  }
+#endif
+  for (; i < n; ++i)
+    if (score[i] >= threshold) {
+      ks[count] = score[i];
+      ki[count++] = static_cast<int32_t>(i);
+    }
+  return count;
+}
+
 void top_m(const float* score, int64_t n, int64_t m, Scratch& s, std::vector<int64_t>& out) {
   if (n >= 8192 && m > 0 && m * 8 <= n) {
     // Most positions lose: a threshold from every 16th score keeps ~1.5 m of them, then the exact selection runs
@@ -360,16 +388,10 @@ void top_m(const float* score, int64_t n, int64_t m, Scratch& s, std::vector<int
     const int64_t rank = std::min<int64_t>(static_cast<int64_t>(s.sample.size()) - 1, m * 3 / 32 + 8);
     std::nth_element(s.sample.begin(), s.sample.begin() + rank, s.sample.end(), std::greater<float>());
     const float threshold = s.sample[rank];
-    s.kept.clear();
-    s.kept_score.clear();
-    for (int64_t i = 0; i < n; ++i)
-      if (score[i] >= threshold) {
-        s.kept.push_back(i);
-        s.kept_score.push_back(score[i]);
-      }
-    if (static_cast<int64_t>(s.kept.size()) >= m) {
-      radix_top_m(s.kept_score.data(), static_cast<int64_t>(s.kept.size()), m, s, out);
-      for (int64_t& i : out) i = s.kept[i];
+    const int64_t kept = keep_at_least(score, n, threshold, s);
+    if (kept >= m) {
+      radix_top_m(s.kept_score.data(), kept, m, s, out);
+      for (int64_t& i : out) i = s.kept_index[i];
       return;
     }
   }
@@ -548,8 +570,24 @@ float group_weights(const float* __restrict q, const float* __restrict step, con
 #endif
 }
 
-// approximate scaled logits of every covered position: approx[h * covered + i], i = position - group_first
-void scan_index(const Call& c, int64_t task, const float* q, int64_t groups, Scratch& s) {
+// bf16 -> float32 of n values (n a multiple of 4; dst holds n rounded up to 16, zero past n stays as it was)
+inline void bf16_row(const uint16_t* src, int64_t n, float* dst) {
+#if defined(__AVX512F__)
+  int64_t d = 0;
+  for (; d + LANES <= n; d += LANES) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
+    _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)));
+  }
+  for (; d < n; ++d) dst[d] = bf16_to_f32(src[d]);
+#else
+  for (int64_t d = 0; d < n; ++d) dst[d] = bf16_to_f32(src[d]);
+#endif
+}
+
+// approximate scaled logits of every covered position, -inf where the mask is false: approx[h * covered + i],
+// i = position - group_first (m the mask from group_first on); peak[h] = the largest of head h's
+void scan_index(const Call& c, int64_t task, const float* q, int64_t groups, const uint8_t* m, Scratch& s,
+                float* peak) {
   const int64_t G = c.group, dq = c.dim_q, covered = groups * GROUP, dim_pad = c.dim_pad;
   const uint8_t* codes = reinterpret_cast<const uint8_t*>(c.codes_ptr[task]);
   const uint16_t* params = reinterpret_cast<const uint16_t*>(c.params_ptr[task]);
@@ -559,11 +597,12 @@ void scan_index(const Call& c, int64_t task, const float* q, int64_t groups, Scr
   s.w.assign(dim_pad, 0.0f);
   s.low.assign(dim_pad, 0.0f);
   s.qh.assign(dim_pad, 0.0f);  // the steps, as floats
+  for (int64_t h = 0; h < G; ++h) peak[h] = -INFINITY;
   for (int64_t g = 0; g < groups; ++g) {
     const uint16_t* mins = params + g * 2 * dq;
-    const uint16_t* steps = mins + dq;
-    for (int64_t d = 0; d < dq; ++d) s.low[d] = bf16_to_f32(mins[d]);
-    for (int64_t d = 0; d < dq; ++d) s.qh[d] = bf16_to_f32(steps[d]);
+    bf16_row(mins, dq, s.low.data());
+    bf16_row(mins + dq, dq, s.qh.data());
+    const uint8_t* gm = m + g * GROUP;
     for (int64_t h0 = 0; h0 < G; h0 += MAX_G) {
       const int gh = static_cast<int>(std::min<int64_t>(MAX_G, G - h0));
       float sigma[MAX_G], bias[MAX_G];
@@ -575,7 +614,30 @@ void scan_index(const Call& c, int64_t task, const float* q, int64_t groups, Scr
         float* out = &s.approx[(h0 + h) * covered + g * GROUP];
         const int32_t* a = &s.acc[h * GROUP];
         const float sg = sigma[h], bs = bias[h];
-        for (int64_t t = 0; t < GROUP; ++t) out[t] = c.scaling * (bs + sg * static_cast<float>(a[t]));
+        float top = peak[h0 + h];
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        const __m512 vs = _mm512_set1_ps(sg), vb = _mm512_set1_ps(bs), vc = _mm512_set1_ps(c.scaling);
+        const __m512 ninf = _mm512_set1_ps(-INFINITY);
+        __m512 vtop = ninf;
+        for (int64_t t = 0; t < GROUP; t += LANES) {
+          const __m512 prod = _mm512_mul_ps(vs, _mm512_cvtepi32_ps(_mm512_loadu_si512(a + t)));
+          const __m512 v = _mm512_mul_ps(vc, _mm512_add_ps(vb, prod));
+          const __mmask16 keep = _mm_test_epi8_mask(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gm + t)),
+                                                    _mm_set1_epi8(-1));
+          const __m512 r = _mm512_mask_blend_ps(keep, ninf, v);
+          _mm512_storeu_ps(out + t, r);
+          vtop = _mm512_max_ps(vtop, r);
+        }
+        const float gtop = _mm512_reduce_max_ps(vtop);
+        top = top > gtop ? top : gtop;
+#else
+        for (int64_t t = 0; t < GROUP; ++t) {
+          const float v = gm[t] ? c.scaling * (bs + sg * static_cast<float>(a[t])) : -INFINITY;
+          out[t] = v;
+          top = top > v ? top : v;
+        }
+#endif
+        peak[h0 + h] = top;
       }
     }
   }
@@ -597,19 +659,22 @@ void run_task(const Call& c, int64_t task, Scratch& s) {
   if (groups > 0) {
     for (int64_t p = 0; p < std::min(first, end); ++p)
       if (mask[p]) s.positions.push_back(p);
-    scan_index(c, task, s.q.data(), groups, s);
     const uint8_t* m = mask + first;
+    s.peak.resize(G);
+    float* peak = s.peak.data();
+    scan_index(c, task, s.q.data(), groups, m, s, peak);
     int64_t usable = 0;
     for (int64_t i = 0; i < covered; ++i) usable += m[i];
     s.score.resize(covered);
-    for (int64_t i = 0; i < covered; ++i) s.score[i] = -INFINITY;
-    for (int64_t h = 0; h < G; ++h) {
-      float* a = &s.approx[h * covered];
-      for (int64_t i = 0; i < covered; ++i) a[i] = m[i] ? a[i] : -INFINITY;
-      const float peak = max_lanes(a, covered);
+    float* score = s.score.data();
+    const float* a0 = s.approx.data();
+    for (int64_t i = 0; i < covered; ++i) score[i] = a0[i] - peak[0];
+    for (int64_t h = 1; h < G; ++h) {
+      const float* a = a0 + h * covered;
+      const float p = peak[h];
       for (int64_t i = 0; i < covered; ++i) {
-        const float v = a[i] - peak;
-        s.score[i] = s.score[i] > v ? s.score[i] : v;
+        const float v = a[i] - p;
+        score[i] = score[i] > v ? score[i] : v;
       }
     }
     top_m(s.score.data(), covered, std::min(c.shortlist, usable), s, s.chosen);
