@@ -430,6 +430,12 @@ class DualDecoderCache(Cache):
             "drift_repairs": self.drift_repairs,
         }
 
+    @property
+    def held_device_bytes(self) -> int:
+        """Device bytes this cache holds now, in bytes: while a request runs, its tiers, selection pool and sliding
+        windows; between requests only the sliding-window layers' windows (full-attention layers hold none)."""
+        return self._device_bytes()
+
     def _device_bytes(self) -> int:
         """Device bytes held now: full layers' tiers (and Quest metadata), the selection pool, sliding windows."""
         device = 0 if self.schedule is None else self.schedule.device_bytes

@@ -1,0 +1,67 @@
+"""`dual-decoder serve`: load a model and run the OpenAI-compatible server (`server.py`) until SIGINT / SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from ..config import DualDecoderConfig
+from ..models import NAMED_MODELS
+
+
+def cache_config(text: str) -> DualDecoderConfig:
+    """`--cache-config`: a JSON object of `DualDecoderConfig` fields, or the path of a file holding one."""
+    if os.path.isfile(text):
+        with open(text, encoding="utf-8") as handle:
+            text = handle.read()
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not a JSON object or a file holding one ({error})") from None
+    if not isinstance(options, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object of DualDecoderConfig fields")
+    try:
+        return DualDecoderConfig.from_dict(options)
+    except (TypeError, ValueError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the dual cache",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    serve.add_argument("--model", default=None,
+                       help=f"named model ({', '.join(NAMED_MODELS)}), .gguf file, local folder or Hub id "
+                            "(default: the embedded smollm2-135m)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--cache-config", type=cache_config, default=DualDecoderConfig(),
+                       help="DualDecoderConfig fields as JSON, or a JSON file")
+    serve.add_argument("--max-batch", type=int, default=8, help="batch rows decoding at once")
+    serve.add_argument("--max-host-bytes", type=int, default=None,
+                       help="host bytes for running requests and idle sessions (default: what each cache finds "
+                            "available)")
+    serve.add_argument("--dense", action="store_true", help="serve with the default DynamicCache instead")
+    serve.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from ..models import load_model, model_display_name
+    from .scheduler import Scheduler
+    from .server import create_app
+
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}.")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}.")
+    model, tokenizer = load_model(args.model)
+    scheduler = Scheduler(model, tokenizer, cache_config=args.cache_config, dense=args.dense,
+                          max_batch=args.max_batch, max_host_bytes=args.max_host_bytes)
+    try:
+        uvicorn.run(create_app(scheduler, tokenizer, model_display_name(args.model)), host=args.host, port=args.port,
+                    log_level="info")
+    finally:
+        scheduler.stop()
+    return 0

@@ -1,0 +1,180 @@
+"""The OpenAI-compatible server, through a real HTTP client against uvicorn on 127.0.0.1 (embedded model):
+completions and chat, streamed and not, 4xx errors, 50 concurrent clients with 10 disconnecting mid-stream."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from dual_cache.serving import Scheduler
+from dual_cache.serving.server import create_app
+
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(embedded):
+    model, tokenizer = embedded
+    before = {t.name for t in threading.enumerate()}
+    scheduler = Scheduler(model, tokenizer, cache_config={"budget": 64, "window": 16}, max_batch=8)
+    port = _free_port()
+    config = uvicorn.Config(create_app(scheduler, tokenizer, MODEL), host="127.0.0.1", port=port, log_level="warning")
+    instance = uvicorn.Server(config)
+    thread = threading.Thread(target=instance.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not instance.started:
+        assert time.time() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield port, scheduler
+    instance.should_exit = True
+    thread.join(30)
+    assert not thread.is_alive()
+    assert scheduler.metrics()["running_requests"] == 0
+    leftover = {t.name for t in threading.enumerate()} - before
+    assert not {n for n in leftover if n.startswith("dual-")}, leftover
+
+
+def _post(port: int, path: str, body, timeout: float = 120):
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    connection.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    return response, connection
+
+
+def _json(port: int, path: str, body):
+    response, connection = _post(port, path, body)
+    try:
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def _events(response) -> list:
+    """The data fields of a server-sent event stream, `[DONE]` included."""
+    out = []
+    for raw in response:
+        line = raw.decode().strip()
+        if line.startswith("data: "):
+            out.append(line[6:])
+    return out
+
+
+def test_health_models_and_metrics(server):
+    port, _ = server
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    for path in ("/health", "/v1/models", "/metrics"):
+        connection.request("GET", path)
+        response = connection.getresponse()
+        body = response.read().decode()
+        assert response.status == 200, (path, body)
+        if path == "/v1/models":
+            assert json.loads(body)["data"][0]["id"] == MODEL
+        if path == "/metrics":
+            assert "# TYPE dual_requests_running gauge" in body and "dual_host_bytes" in body
+    connection.close()
+
+
+def test_completion_and_chat_plain_and_streamed_agree(server):
+    port, _ = server
+    status, plain = _json(port, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 6,
+                                                     "temperature": 0})
+    assert status == 200 and plain["object"] == "text_completion"
+    assert plain["usage"]["completion_tokens"] == 6 and plain["choices"][0]["finish_reason"] == "length"
+    response, connection = _post(port, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 6,
+                                                           "temperature": 0, "stream": True})
+    events = _events(response)
+    connection.close()
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == plain["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    status, chat = _json(port, "/v1/chat/completions", {"messages": messages, "max_tokens": 12, "temperature": 0})
+    assert status == 200 and chat["object"] == "chat.completion"
+    answer = chat["choices"][0]["message"]["content"]
+    assert "Paris" in answer
+    response, connection = _post(port, "/v1/chat/completions", {"messages": messages, "max_tokens": 12,
+                                                                "temperature": 0, "stream": True})
+    events = _events(response)
+    connection.close()
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == answer
+    # a stop string ends the text before it
+    status, cut = _json(port, "/v1/chat/completions", {"messages": messages, "max_tokens": 12, "temperature": 0,
+                                                       "stop": ["Paris"]})
+    assert status == 200 and cut["choices"][0]["finish_reason"] == "stop"
+    assert cut["choices"][0]["message"]["content"] == answer[:answer.index("Paris")]
+
+
+@pytest.mark.parametrize("path, body, needle", [
+    ("/v1/completions", b"{not json", "not valid JSON"),
+    ("/v1/completions", {"prompt": 5}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "word " * 9000, "max_tokens": 4}, "positions"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+])
+def test_bad_requests_get_a_400_that_says_what_to_change(server, path, body, needle):
+    port, scheduler = server
+    before = scheduler.metrics()["requests"]
+    status, error = _json(port, path, body)
+    assert status == 400 and needle in error["error"]["message"] + str(error["error"]["param"])
+    assert scheduler.metrics()["requests"] == before  # refused before any work
+
+
+def test_fifty_concurrent_clients_ten_disconnecting_mid_stream(server):
+    port, scheduler = server
+    results: dict[int, object] = {}
+
+    def client(i: int) -> None:
+        body = {"prompt": f"Count to ten, number {i}:", "max_tokens": 40 if i < 10 else 6, "temperature": 0,
+                "stream": True}
+        try:
+            response, connection = _post(port, "/v1/completions", body)
+            if i < 10:  # read one event, then drop the connection
+                while not response.readline().startswith(b"data: "):
+                    pass
+                connection.sock.shutdown(socket.SHUT_RDWR)
+                connection.close()
+                results[i] = "dropped"
+                return
+            events = _events(response)
+            connection.close()
+            results[i] = events
+        except Exception as error:  # noqa: BLE001 - recorded for the assertion
+            results[i] = error
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(50)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not any(t.is_alive() for t in threads)
+    for i in range(10, 50):
+        events = results[i]
+        assert isinstance(events, list) and events[-1] == "[DONE]", (i, events)
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] in ("length", "stop")
+    assert scheduler.wait_idle(120)
+    metrics = scheduler.metrics()
+    print("cancelled", metrics["cancelled"])
+    assert metrics["cancelled"] >= 5  # the dropped clients' requests stopped early (none of the others)
+    assert metrics["running_requests"] == 0 and metrics["queued_requests"] == 0
+    assert metrics["device_bytes"] == 0 and metrics["host_bytes"] == 0

@@ -1,0 +1,180 @@
+"""The serving scheduler: requests arriving over time equal each request run alone, cancellation, sessions that
+idle in host memory and resume with only their new tokens, eviction, clean stops, bad input."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import tiny_gemma3, tiny_llama
+from dual_cache import DualDecoderCache
+from dual_cache.serving import GenerationOptions, Scheduler
+
+FULL = {"budget": 100_000, "retrieval_threads": 0}
+PARTIAL = {"budget": 16, "n_sink": 4, "window": 8, "early_layers": 0, "retrieval_threads": 0}
+
+
+def _prompts(seed: int, lengths):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 96, (n,), generator=gen) for n in lengths]
+
+
+def _threads() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.name.startswith("dual-")}
+
+
+@pytest.mark.parametrize("config", [FULL, PARTIAL], ids=["full-budget", "partial-budget"])
+def test_requests_arriving_at_different_times_equal_each_run_alone(config):
+    model = tiny_llama(seed=15)
+    lengths, new = [40, 130, 75, 210, 33, 150, 90, 61], [5, 20, 12, 30, 8, 3, 25, 16]
+    prompts = _prompts(1, lengths)
+    before = _threads()
+    scheduler = Scheduler(model, cache_config=config, max_batch=4)
+    handles = []
+    for i, (prompt, n) in enumerate(zip(prompts, new)):
+        handles.append(scheduler.add_request(prompt, GenerationOptions(max_tokens=n, temperature=0)))
+        if i % 3 == 0:
+            time.sleep(0.05)  # one, a pause, then bursts of three that join while others decode
+    try:
+        assert all(h.wait(300) for h in handles)
+    finally:
+        scheduler.stop()
+    assert scheduler.counters["cohorts"] < len(handles)  # some requests shared a batch
+    for prompt, n, handle in zip(prompts, new, handles):
+        assert handle.finish_reason == "length" and handle.error is None
+        if config is FULL:
+            expected = model.generate(prompt[None], max_new_tokens=n, do_sample=False)
+        else:
+            expected = model.generate(prompt[None], max_new_tokens=n, do_sample=False, cache_implementation="dual",
+                                      cache_config=config)
+        assert handle.token_ids == expected[0, prompt.numel():].tolist()
+        assert handle.first_token is not None and handle.arrived <= handle.first_token <= handle.finished
+    assert _threads() == before
+
+
+def test_tokens_stream_and_cancel_queued_and_running():
+    model = tiny_llama(seed=3)
+    scheduler = Scheduler(model, cache_config=FULL, max_batch=1)
+    try:
+        long = scheduler.add_request(_prompts(2, [50])[0], GenerationOptions(max_tokens=400, temperature=0))
+        queued = scheduler.add_request(_prompts(3, [20])[0], GenerationOptions(max_tokens=5, temperature=0))
+        streamed = []
+        for token in long.tokens(timeout=60):
+            streamed.append(token)
+            if len(streamed) == 3:
+                scheduler.cancel(queued)
+                scheduler.cancel(long)
+        assert long.finish_reason == "cancelled" and 3 <= len(long.token_ids) < 400
+        assert streamed == long.token_ids
+        assert queued.finish_reason == "cancelled" and queued.token_ids == []
+        after = scheduler.add_request(_prompts(4, [10])[0], GenerationOptions(max_tokens=4, temperature=0))
+        assert after.wait(60) and len(after.token_ids) == 4
+    finally:
+        scheduler.stop()
+    assert scheduler.metrics()["running_requests"] == 0
+
+
+def test_stop_cancels_everything_and_leaves_no_threads():
+    model = tiny_llama(seed=4)
+    before = _threads()
+    scheduler = Scheduler(model, cache_config=FULL, max_batch=2)
+    handles = [scheduler.add_request(p, GenerationOptions(max_tokens=500, temperature=0))
+               for p in _prompts(5, [30, 40, 50, 60])]
+    next(handles[0].tokens(timeout=60))
+    scheduler.stop()
+    assert all(h.done for h in handles) and {h.finish_reason for h in handles} <= {"cancelled"}
+    assert _threads() == before
+    with pytest.raises(RuntimeError, match="stopped"):
+        scheduler.add_request(_prompts(6, [5])[0])
+
+
+def test_idle_sessions_hold_no_device_bytes_and_resume_with_only_new_tokens():
+    model = tiny_llama(seed=7)
+    scheduler = Scheduler(model, cache_config=FULL, max_batch=4)
+    try:
+        firsts = [scheduler.add_request(p, GenerationOptions(max_tokens=6, temperature=0), session=f"s{i}")
+                  for i, p in enumerate(_prompts(8, [20 + 3 * i for i in range(20)]))]
+        assert all(h.wait(300) for h in firsts) and scheduler.wait_idle(60)
+        metrics = scheduler.metrics()
+        assert metrics["idle_sessions"] == 20 and metrics["device_bytes"] == 0 and metrics["host_bytes"] > 0
+        # turn 2 of session s3: the whole conversation so far plus a new user turn
+        first = firsts[3]
+        history = torch.cat([first.prompt, torch.tensor(first.token_ids)])
+        turn = torch.cat([history, _prompts(9, [7])[0]])
+        second = scheduler.add_request(turn, GenerationOptions(max_tokens=9, temperature=0), session="s3")
+        assert second.wait(120) and second.error is None
+        stored = first.prompt.numel() + len(first.token_ids) - 1  # the last generated token was never fed
+        assert second.prefilled_tokens == turn.numel() - stored
+        assert scheduler.counters["session_resumes"] == 1
+        expected = model.generate(turn[None], max_new_tokens=9, do_sample=False)[0, turn.numel():].tolist()
+        assert second.token_ids == expected
+        # a turn that does not extend the stored conversation starts the session over (and still answers right)
+        other = _prompts(10, [30])[0]
+        third = scheduler.add_request(other, GenerationOptions(max_tokens=4, temperature=0), session="s3")
+        assert third.wait(120) and third.prefilled_tokens == other.numel()
+        assert third.token_ids == model.generate(other[None], max_new_tokens=4, do_sample=False)[0, 30:].tolist()
+    finally:
+        scheduler.stop()
+    assert scheduler.sessions.totals()["host_bytes"] == 0 and len(scheduler.sessions) == 0
+
+
+def test_sessions_past_the_host_budget_are_evicted_least_recently_used():
+    model = tiny_llama(seed=9)
+    probe = DualDecoderCache(model.config, **FULL)
+    one = probe.host_bytes_needed(1, 40 + 4 + 1, model.dtype, prompt_tokens=40)
+    scheduler = Scheduler(model, cache_config=FULL, max_batch=1, max_host_bytes=int(2.5 * one))
+    try:
+        for i, prompt in enumerate(_prompts(11, [40] * 5)):
+            assert scheduler.add_request(prompt, GenerationOptions(max_tokens=4, temperature=0),
+                                         session=f"s{i}").wait(60) and scheduler.wait_idle(60)
+        totals = scheduler.sessions.totals()
+        assert scheduler.sessions.evicted >= 2 and totals["host_bytes"] <= 2.5 * one
+        assert "s4" in scheduler.sessions._sessions and "s0" not in scheduler.sessions._sessions
+        huge = scheduler.add_request(_prompts(12, [1500])[0], GenerationOptions(max_tokens=4, temperature=0))
+        assert huge.wait(60) and huge.finish_reason == "error" and "host memory" in huge.error
+    finally:
+        scheduler.stop()
+
+
+def test_sliding_window_model_and_dense_rows():
+    model = tiny_gemma3(seed=2)
+    prompts = _prompts(13, [60, 35, 80])
+    for dense in (False, True):
+        scheduler = Scheduler(model, cache_config=FULL, dense=dense, max_batch=3)
+        try:
+            handles = [scheduler.add_request(p, GenerationOptions(max_tokens=7, temperature=0)) for p in prompts]
+            assert all(h.wait(120) for h in handles)
+        finally:
+            scheduler.stop()
+        for prompt, handle in zip(prompts, handles):
+            assert handle.token_ids == model.generate(prompt[None], max_new_tokens=7,
+                                                      do_sample=False)[0, prompt.numel():].tolist()
+
+
+def test_bad_requests_are_refused_before_any_work():
+    model = tiny_llama(seed=1)
+    with pytest.raises(ValueError, match="max_batch"):
+        Scheduler(model, max_batch=0)
+    for bad in (dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(stop=("",)), dict(seed="x")):
+        with pytest.raises(ValueError):
+            GenerationOptions(**bad)
+    scheduler = Scheduler(model, cache_config=FULL)
+    try:
+        with pytest.raises(ValueError, match="non-empty"):
+            scheduler.add_request(torch.tensor([], dtype=torch.long))
+        with pytest.raises(ValueError, match="integer"):
+            scheduler.add_request(torch.rand(5))
+        with pytest.raises(ValueError, match="positions"):
+            scheduler.add_request(torch.ones(2000, dtype=torch.long), GenerationOptions(max_tokens=100))
+        assert scheduler.metrics()["requests"] == 0
+    finally:
+        scheduler.stop()
+    dense = Scheduler(model, dense=True)
+    try:
+        with pytest.raises(ValueError, match="sessions need the dual cache"):
+            dense.add_request(torch.ones(5, dtype=torch.long), session="a")
+    finally:
+        dense.stop()
