@@ -190,12 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .eval import bench_cli, eval_cli
     from . import hub_cli
-    from .serving import cli as serving_cli
+    from .serving import bench as serving_bench, cli as serving_cli
 
     bench_cli.add_parser(sub)  # `bench`
     eval_cli.add_parser(sub)  # `eval`
     hub_cli.add_parser(sub)  # `card`, `export-generate`
     serving_cli.add_parser(sub)  # `serve`
+    serving_bench.add_parser(sub)  # `bench-serve`
     return parser
 
 

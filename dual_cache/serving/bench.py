@@ -1,0 +1,277 @@
+"""`dual-decoder bench-serve`: a Poisson stream of long-context requests with mixed output lengths, served by
+
+- `dual`: the scheduler with the dual cache (`Scheduler`);
+- `dense`: the same scheduler with transformers' default `DynamicCache` rows;
+- `static`: static batches of `generate()` with the dual cache, in arrival order (a batch starts when its last
+  request has arrived and the previous batch is done, and runs until its longest request ends);
+- `generate-batch`: transformers' continuous batching (`init_continuous_batching`, paged cache), the anchor.
+
+Reports output tokens/s (all output tokens / first arrival to last finish), time to first token and time per output
+token (p50 / p99, seconds) and the peak KV bytes on the device and in host memory, one row per system, to stdout
+and, with `--out`, to `<out>.json` / `<out>.md`. Every system gets the same prompts, arrival times and max_tokens;
+decoding is greedy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import threading
+import time
+
+import torch
+
+SYSTEMS = ("dual", "dense", "static", "generate-batch")
+
+
+def workload(args, vocab: int, special: set[int]) -> list[dict]:
+    """Prompts (`--context` tokens; with `--shared-prefix`, all but the last 64 shared), arrival offsets (seconds,
+    Poisson at `--rate`) and max_tokens (uniform in [`--min-new`, `--max-new`])."""
+    gen = torch.Generator().manual_seed(args.seed)
+    allowed = torch.tensor([t for t in range(vocab) if t not in special])
+    draw = lambda n: allowed[torch.randint(len(allowed), (n,), generator=gen)]  # noqa: E731
+    shared = draw(args.context - 64) if args.shared_prefix else None
+    at, requests = 0.0, []
+    for _ in range(args.requests):
+        prompt = torch.cat([shared, draw(64)]) if shared is not None else draw(args.context)
+        new = int(torch.randint(args.min_new, args.max_new + 1, (1,), generator=gen))
+        requests.append({"prompt": prompt, "max_tokens": new, "at": at})
+        at += float(torch.empty(1).exponential_(args.rate, generator=gen))
+    return requests
+
+
+def _kv_bytes_per_token(model) -> int:
+    text = model.config.get_text_config(decoder=True)
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 2 * text.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=model.dtype).element_size()
+
+
+def run_scheduler(model, requests, args, dense: bool) -> list[dict]:
+    from .requests import GenerationOptions
+    from .scheduler import Scheduler
+
+    scheduler = Scheduler(model, cache_config=args.cache_config, dense=dense, max_batch=args.max_batch)
+    per_token = _kv_bytes_per_token(model)
+    peak = {"device": 0, "host": 0}
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.05):
+            m = scheduler.metrics()
+            if dense:  # DynamicCache rows hold every token on the device
+                with scheduler._cond:
+                    held = sum(len(c.handles) * (max(h.prompt.numel() for h in c.handles) +
+                                                 max(len(h.token_ids) for h in c.handles))
+                               for c in scheduler._running)
+                m["device_bytes"], m["host_bytes"] = held * per_token, 0
+            peak["device"] = max(peak["device"], m["device_bytes"])
+            peak["host"] = max(peak["host"], m["host_bytes"])
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    start = time.perf_counter()
+    sampler.start()
+    handles = []
+    try:
+        for request in requests:
+            time.sleep(max(0.0, start + request["at"] - time.perf_counter()))
+            handles.append(scheduler.add_request(request["prompt"], GenerationOptions(
+                max_tokens=request["max_tokens"], temperature=0)))
+        for handle in handles:
+            handle.wait()
+    finally:
+        done.set()
+        sampler.join()
+        scheduler.stop()
+    return [{"arrived": h.arrived - start, "first": h.first_token - start, "finished": h.finished - start,
+             "tokens": len(h.token_ids), "error": h.error, **({"peak": peak} if i == 0 else {})}
+            for i, h in enumerate(handles)]
+
+
+def run_static(model, requests, args, pad_id: int) -> list[dict]:
+    from ..cache import DualDecoderCache
+
+    out, start, free_at = [], time.perf_counter(), 0.0
+    peak = {"device": 0, "host": 0}
+    for first in range(0, len(requests), args.max_batch):
+        batch = requests[first:first + args.max_batch]
+        time.sleep(max(0.0, start + batch[-1]["at"] - time.perf_counter()))
+        width = max(r["prompt"].numel() for r in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, r in enumerate(batch):
+            ids[row, width - r["prompt"].numel():] = r["prompt"]
+            mask[row, width - r["prompt"].numel():] = 1
+        first_token = []
+
+        class Streamer:
+            calls = 0
+
+            def put(self, value):
+                Streamer.calls += 1
+                if Streamer.calls == 2:
+                    first_token.append(time.perf_counter() - start)
+
+            def end(self):
+                pass
+
+        cache = DualDecoderCache(model.config, dual_config=args.cache_config)
+        output = model.generate(ids, attention_mask=mask, max_new_tokens=max(r["max_tokens"] for r in batch),
+                                do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad_id,
+                                streamer=Streamer(), cache=cache, return_dict_in_generate=True)
+        stats = cache.stats()
+        peak["device"] = max(peak["device"], int(stats["device_bytes"]))
+        peak["host"] = max(peak["host"], int(stats["host_bytes"]))
+        cache.close()
+        end = time.perf_counter() - start
+        for row, r in enumerate(batch):
+            new = output.sequences[row, width:width + r["max_tokens"]]
+            out.append({"arrived": r["at"], "first": first_token[0], "finished": end, "tokens": int(new.numel()),
+                        "error": None})
+        free_at = end
+    out[0]["peak"] = peak
+    return out
+
+
+def run_generate_batch(model, requests, args) -> list[dict]:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(r["max_tokens"] for r in requests),
+                              eos_token_id=None, pad_token_id=model.generation_config.pad_token_id or 0)
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.start()
+    start, out, ids = time.perf_counter(), {}, []
+    try:
+        for i, r in enumerate(requests):
+            time.sleep(max(0.0, start + r["at"] - time.perf_counter()))
+            ids.append(manager.add_request(r["prompt"].tolist(), request_id=f"r{i}", max_new_tokens=r["max_tokens"],
+                                           record_timestamps=True))
+        while len(out) < len(requests):
+            result = manager.get_result(timeout=600)
+            if result is None:
+                raise TimeoutError("generate_batch: no result within 600 s")
+            out[result.request_id] = (result, time.perf_counter() - start)
+    finally:
+        manager.stop(block=True)
+    rows = []
+    for i, r in enumerate(requests):
+        result, finished = out[f"r{i}"]
+        stamps = getattr(result, "timestamps", None) or []
+        first = (stamps[0] - result.created_time) + r["at"] if stamps and getattr(result, "created_time", None) \
+            else finished
+        rows.append({"arrived": r["at"], "first": first, "finished": finished,
+                     "tokens": len(result.generated_tokens), "error": None})
+    rows[0]["peak"] = {"device": None, "host": None}
+    return rows
+
+
+def summarize(system: str, rows: list[dict]) -> dict:
+    def pct(values, q):
+        values = sorted(values)
+        return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else float("nan")
+
+    ttft = [r["first"] - r["arrived"] for r in rows if r["error"] is None]
+    tpot = [(r["finished"] - r["first"]) / (r["tokens"] - 1) for r in rows if r["error"] is None and r["tokens"] > 1]
+    span = max(r["finished"] for r in rows) - min(r["arrived"] for r in rows)
+    tokens = sum(r["tokens"] for r in rows)
+    peak = rows[0].get("peak", {})
+    return {"system": system, "requests": len(rows), "errors": sum(r["error"] is not None for r in rows),
+            "output_tokens": tokens, "seconds": span, "output_tokens_per_s": tokens / span,
+            "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99), "tpot_p50_s": pct(tpot, 0.5),
+            "tpot_p99_s": pct(tpot, 0.99), "peak_device_kv_bytes": peak.get("device"),
+            "peak_host_kv_bytes": peak.get("host")}
+
+
+def _options(config) -> dict:
+    """The fields of a DualDecoderConfig that differ from the defaults."""
+    default = dataclasses.asdict(type(config)())
+    return {k: v for k, v in dataclasses.asdict(config).items() if v != default[k]}
+
+
+def _mib(value) -> str:
+    return "n/a" if value is None else f"{value / 2**20:,.1f}"
+
+
+def table(rows: list[dict], args) -> str:
+    lines = [f"Serving benchmark: {args.requests} requests, Poisson arrivals at {args.rate}/s, {args.context}-token "
+             f"prompts{' sharing all but their last 64 tokens' if args.shared_prefix else ''}, max_tokens uniform in "
+             f"[{args.min_new}, {args.max_new}], greedy; max batch {args.max_batch}; cache config "
+             f"{json.dumps(_options(args.cache_config))}.", "",
+             "| system | output tok/s | vs static | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) | peak device KV MiB | "
+             "peak host KV MiB | errors |", "|---|---|---|---|---|---|---|---|"]
+    static = next((r["output_tokens_per_s"] for r in rows if r["system"] == "static"), None)
+    for r in rows:
+        ratio = f"{r['output_tokens_per_s'] / static:.2f}×" if static else "n/a"
+        lines.append(f"| {r['system']} | {r['output_tokens_per_s']:.2f} | {ratio} | {r['ttft_p50_s']:.2f} / "
+                     f"{r['ttft_p99_s']:.2f} | {r['tpot_p50_s']:.3f} / {r['tpot_p99_s']:.3f} | "
+                     f"{_mib(r['peak_device_kv_bytes'])} | {_mib(r['peak_host_kv_bytes'])} | {r['errors']} |")
+    return "\n".join(lines)
+
+
+def add_parser(sub) -> None:
+    from .cli import cache_config
+
+    p = sub.add_parser("bench-serve", help="serving benchmark: Poisson arrivals, dual vs dense vs static generate()",
+                       description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=None, help="named model, .gguf, folder or Hub id (default: embedded)")
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--rate", type=float, default=1.0, help="arrivals per second (Poisson)")
+    p.add_argument("--context", type=int, default=1024, help="prompt tokens per request")
+    p.add_argument("--shared-prefix", action="store_true", help="prompts share all but their last 64 tokens")
+    p.add_argument("--min-new", type=int, default=4)
+    p.add_argument("--max-new", type=int, default=64)
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--cache-config", type=cache_config, default=cache_config("{}"), help="DualDecoderConfig JSON")
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="output path without extension (.json and .md)")
+    p.set_defaults(func=cmd_bench_serve)
+
+
+def cmd_bench_serve(args) -> int:
+    problems = [f"--{n.replace('_', '-')} must be >= 1" for n in ("requests", "min_new", "max_batch")
+                if getattr(args, n) < 1]
+    if args.max_new < args.min_new:
+        problems.append("--max-new must be >= --min-new")
+    if args.rate <= 0:
+        problems.append("--rate must be > 0")
+    if args.context < 128:
+        problems.append("--context must be >= 128")
+    if problems:
+        raise ValueError("; ".join(problems) + ".")
+    from ..models import load_model, model_display_name
+
+    model, tokenizer = load_model(args.model)
+    special = set(tokenizer.all_special_ids)
+    requests = workload(args, model.config.get_text_config(decoder=True).vocab_size, special)
+    warm = requests[0]["prompt"][None, :128]  # first calls pay one-time costs (engine load, allocator): not timed
+    model.generate(warm, max_new_tokens=2, do_sample=False)
+    model.generate(warm, max_new_tokens=2, do_sample=False, cache_implementation="dual",
+                   cache_config=args.cache_config)
+    rows = []
+    for system in args.systems:
+        try:
+            if system in ("dual", "dense"):
+                raw = run_scheduler(model, requests, args, dense=system == "dense")
+            elif system == "static":
+                raw = run_static(model, requests, args, tokenizer.pad_token_id or 0)
+            else:
+                raw = run_generate_batch(model, requests, args)
+        except Exception as error:  # noqa: BLE001 - a system that cannot run here is reported, not fatal
+            print(f"{system}: failed: {type(error).__name__}: {error}", file=sys.stderr)
+            continue
+        rows.append(summarize(system, raw))
+        print(json.dumps(rows[-1]), flush=True)
+    text = table(rows, args) + f"\n\nModel {model_display_name(args.model)}, {model.dtype}, on this host.\n"
+    print(text)
+    if args.out:
+        with open(args.out + ".json", "w", encoding="utf-8") as handle:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("func", "cache_config")},
+                       "cache_config": _options(args.cache_config),
+                       "rows": rows}, handle, indent=2)
+        with open(args.out + ".md", "w", encoding="utf-8") as handle:
+            handle.write(text)
+    return 0
