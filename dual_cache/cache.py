@@ -172,7 +172,10 @@ class DualDecoderCache(Cache):
         if stored == 0:
             tokens = max(tokens, self.max_cache_len or 0)
             self.fit_layers(tokens)
-            needed = self.host_bytes_needed(batch_size, tokens, dtype, prompt_tokens=input_tokens)
+            # the first request's length is known (prompt + max new tokens): its stores are sized to it at once;
+            # a continuing conversation grows geometrically (`host_store.next_chunk_tokens`)
+            reserve = tokens
+            needed = self.host_bytes_needed(batch_size, tokens, dtype, prompt_tokens=reserve)
         else:
             held = self.sequences.valid.shape[0]
             if held != batch_size and (held != 1 or not SELECTORS[self.dual_config.selector].shares_prefix):
@@ -183,6 +186,7 @@ class DualDecoderCache(Cache):
                        f"sequence across a batch (use one of {[n for n, c in SELECTORS.items() if c.shares_prefix]}).")
                 )
             # only the new positions are each sequence's own: the stored ones are kept (shared when held == 1)
+            reserve = input_tokens
             needed = self.host_bytes_needed(batch_size, tokens - stored, dtype, prompt_tokens=input_tokens - stored)
         self.host_memory.check(
             needed, f"{batch_size} sequence(s) of {tokens} tokens ({len(self.dual_layers)} full-attention layers)"
@@ -195,7 +199,7 @@ class DualDecoderCache(Cache):
         self.step_rows = StepRows()
         self._ensure_schedule(device)
         for layer in self.dual_layers:
-            layer.begin_request(self.schedule, tokens, reserve=input_tokens)
+            layer.begin_request(self.schedule, tokens, reserve=reserve)
 
     def _share(self, batch_size: int) -> None:
         """The one stored sequence becomes a prefix that `batch_size` sequences continue: full-attention layers

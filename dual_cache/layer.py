@@ -177,7 +177,8 @@ class DualLayer(CacheLayerMixin):
             schedule: the request's transfer schedule (retrieval jobs and copies).
             tokens: tokens per sequence the cache will hold at most during the request: no selection or window is
                 larger.
-            reserve: tokens per sequence the host store should hold at once (those stored plus the new prompt).
+            reserve: tokens per sequence the host store should hold at once (a first request: all of `tokens`; a
+                continuing one: those stored plus the new prompt).
         """
         self.schedule = schedule
         self.request_budget = min(self.budget, tokens)

