@@ -1,5 +1,5 @@
 """`DualDecoderCache`: a `transformers.Cache` whose full-attention layers keep every K/V in host memory and only
-sink + local window + the current selection on the device (DESIGN.md §2).
+sink + local window + the current selection on the device (docs/design.md §2).
 
 Each full-attention layer is a `DualLayer` (`layer.py`); sliding-window layers (e.g. Gemma 3) keep their own window
 on the device with transformers' `DynamicSlidingWindowLayer`. The cache knows nothing of generation: the decode loop

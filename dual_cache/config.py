@@ -20,7 +20,7 @@ SELECTORS = tuple(SELECTOR_CLASSES)
 
 @dataclass
 class DualDecoderConfig:
-    """Configuration of the dual cache and the dual-token decode loop (DESIGN.md §2).
+    """Configuration of the dual cache and the dual-token decode loop (docs/design.md §2).
 
     Attributes:
         budget: middle tokens retrieved per decode step, per KV head, per full-attention layer (tokens).
@@ -30,7 +30,7 @@ class DualDecoderConfig:
         block_size: retrieval granularity in tokens; 1 is token-level top-k, >1 scores and retrieves whole
             contiguous blocks (`selector="block"`) or is the page size of `selector="quest"`.
         early_layers: the first `early_layers` layers retrieve `max(budget, early_layer_budget)` entries: they are
-            far less sparse than the later ones (DESIGN.md §2). 0 disables.
+            far less sparse than the later ones (docs/design.md §2). 0 disables.
         early_layer_budget: budget of those early layers (tokens per KV head).
         layer_budgets: per-layer override `{layer_idx: budget}`, taking precedence over everything else.
         layers_in_flight: device slots of the layer-scoped selection buffer pool; device bytes for retrieved
@@ -56,7 +56,7 @@ class DualDecoderConfig:
             were computed over different selections in the layers below, and on copying steps (a needle's
             digits) they can point at different entries. None disables; 0 repairs every step (with
             `selector="exact"`, the `"oracle"` selection). The default and what it costs are measured in
-            results/needle/ (README). On CUDA each check reads a `(B,)` flag back to the host per layer (a
+            results/needle/ (docs/benchmarks.md). On CUDA each check reads a `(B,)` flag back to the host per layer (a
             synchronization point).
         selector: how each step's entries are chosen (`dual_cache.selectors`, one class per value):
             `"lowbit"` a 2-bit copy of every key on the host, scanned by the native engine to shortlist

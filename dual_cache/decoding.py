@@ -1,4 +1,4 @@
-"""The dual-token decode loop (DESIGN.md §2): each forward feeds `[x_t, x̂_{t+1}]`; slot 0 gives the real next
+"""The dual-token decode loop (docs/design.md §2): each forward feeds `[x_t, x̂_{t+1}]`; slot 0 gives the real next
 token through all of `generate()`'s logits processors and stopping criteria, slot 1's queries select the next
 step's KV entries and its logits give the next speculated token. With `miss_repair`, the sequences whose speculated
 token missed are marked before the next forward, whose layers re-select their entries with the real token's query;

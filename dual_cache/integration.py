@@ -1,6 +1,6 @@
 """Registers `cache_implementation="dual"` with transformers' `generate()` (idempotent, on `import dual_cache`).
 
-transformers has no registry for cache implementations (DESIGN.md §4): `GenerationConfig.validate` accepts names
+transformers has no registry for cache implementations (docs/design.md §4): `GenerationConfig.validate` accepts names
 from the module-level tuple `ALL_CACHE_IMPLEMENTATIONS`, and `_prepare_cache_for_generation` silently builds a
 `DynamicCache` for unknown names. We extend the tuple, wrap `_prepare_cache_for_generation` to build a
 `DualDecoderCache` (and refuse unsupported generation modes before any work), and wrap `_sample` to run the

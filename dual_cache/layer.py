@@ -1,5 +1,5 @@
 """`DualLayer`: one full-attention layer of a `DualDecoderCache` — every K/V in a host store, and on the device only
-the sink, the local window and the current selection (DESIGN.md §2).
+the sink, the local window and the current selection (docs/design.md §2).
 
 A layer gets what it needs when it is built (its budget, the shared `SequenceState`, the cache's `HostMemory`
 allowance), per request (`begin_request`: the schedule, the request's budget and window ring, the tokens to reserve)

@@ -1,4 +1,4 @@
-"""Host-side scoring and top-k selection of critical KV entries (DESIGN.md §2, step 3).
+"""Host-side scoring and top-k selection of critical KV entries (docs/design.md §2, step 3).
 
 Pure torch on host tensors; knows nothing of transformers, caches or devices.
 """

@@ -1,4 +1,4 @@
-"""Transfer schedule (DESIGN.md §2, steps 1 and 3): retrieval jobs on a pool of host threads, their results copied
+"""Transfer schedule (docs/design.md §2, steps 1 and 3): retrieval jobs on a pool of host threads, their results copied
 into a layer-scoped device buffer pool `lookahead` layers before the layer needs them.
 
 Per decode step every full-attention layer `l` with a budget uses one selection. Its retrieval job (the selector's

@@ -11,7 +11,7 @@ subclass only redraws that split, so the decode loop, the schedule and the repai
 first decode step (`check` is None: the prompt's last position chose its entries) is repaired for every sequence,
 as in the real loop. Drift checks on forced hits are skipped (`check` rows are not passed on): with random weights every
 query drifts, which would turn each forced hit into a repair; on real weights drift repair redoes ~1% of the hit
-(step, layer) pairs (README), which this leaves out. Speculation statistics (`spec_hits`) still report the real
+(step, layer) pairs (docs/benchmarks.md), which this leaves out. Speculation statistics (`spec_hits`) still report the real
 outcomes. Tokens are not what the forced pattern would produce on a real model: use it for timing, never quality.
 """
 

@@ -28,7 +28,7 @@ uniformly drawn positions; scoring is string match (`all`, or `part` for QA) in 
 `metrics/ruler_string_match.py`. The model wrapper is `chat_format.PromptFormat` (RULER's `model_template_type`);
 the prompt fed to the model is `input + answer_prefix`, tokenized with the tokenizer's special tokens.
 
-Deliberate differences (the README's table gives their expected effect): the essay is the Python Language
+Deliberate differences (docs/benchmarks.md, Evaluation, gives their expected effect): the essay is the Python Language
 Reference shipped with CPython (`needle.reference_document`) instead of Paul Graham's essays (not available
 offline); every sample draws from its own seeded `random.Random` instead of one process-wide stream (so samples do
 not reproduce RULER's files, only their distribution); key words come from `wonderwords` 3 (RULER installs an

@@ -1,4 +1,4 @@
-"""Selectors: one class per policy for choosing each decode step's entries, one file each (DESIGN.md §3).
+"""Selectors: one class per policy for choosing each decode step's entries, one file each (docs/design.md §3).
 
 Every module of this package that defines a `Selector` subclass with a `name` registers it: adding a selector
 means adding one file here. `SELECTORS` maps `DualDecoderConfig.selector` values to classes.

@@ -1,7 +1,7 @@
 """The interface every selector implements, and what a selection is asked for (`Candidates`).
 
 A selector decides which `budget` middle entries per (sequence, KV head) one full-attention layer's decode step
-attends to (DESIGN.md §2, step 3). It owns whatever it keeps besides the layer's host store — a host-side index, a
+attends to (docs/design.md §2, step 3). It owns whatever it keeps besides the layer's host store — a host-side index, a
 channel-major key copy, page metadata on the device — builds it during prefill, extends it as tokens are committed,
 and answers `select(query, candidates)` on the host. It knows nothing of transformers, caches or schedules.
 """
