@@ -2,7 +2,8 @@
 
 Commands: `demo` (a needle question on the embedded model, dense vs dual), `generate` (answer a question about a
 document), `serve` (OpenAI-compatible server), `bench-serve` (serving benchmark), `bench` (throughput and memory),
-`eval` (RULER, LongBench, fidelity), `card` and `export-generate` (Hugging Face Hub). `dual-decoder COMMAND --help`
+`eval` (RULER, LongBench, fidelity), `report` (the README's table), `card` and `export-generate` (Hugging Face Hub),
+and the analysis tools `bench-retrieval`, `recall`, `needle`, `agentic`, `gpu-check`. `dual-decoder COMMAND --help`
 shows each command's options and defaults."""
 
 from __future__ import annotations
@@ -218,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     dual_options(demo)
     demo.set_defaults(func=cmd_demo)
 
-    from .eval import bench_cli, eval_cli, results_table
+    from .eval import bench_cli, eval_cli, results_table, tools_cli
     from . import hub_cli
     from .serving import bench as serving_bench, cli as serving_cli
 
@@ -228,11 +229,17 @@ def build_parser() -> argparse.ArgumentParser:
     serving_cli.add_parser(sub)  # `serve`
     serving_bench.add_parser(sub)  # `bench-serve`
     results_table.add_parser(sub)  # `report`
+    tools_cli.add_parsers(sub)  # `bench-retrieval`, `needle`, `recall`, `agentic`, `gpu-check`
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `dual-decoder` console script."""
+    from .eval import tools_cli
+
+    tool = tools_cli.run(sys.argv[1:] if argv is None else argv)
+    if tool is not None:
+        return tool
     args = build_parser().parse_args(argv)
     try:
         if args.func in (cmd_generate, cmd_demo):

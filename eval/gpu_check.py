@@ -117,7 +117,7 @@ def check_correctness(device: torch.device, tiny: bool) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dual_cache.eval.gpu_check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="toy sizes: a smoke run, e.g. on CPU")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json (default $OUT)")

@@ -54,7 +54,8 @@ def test_quick_start_runs_as_pasted(capsys):
     assert namespace["cache"].stats()["device_bytes"] < namespace["cache"].stats()["dense_equivalent_bytes"]
 
 
-COMMANDS = ["demo", "generate", "serve", "bench-serve", "eval", "bench", "report", "card", "export-generate"]
+COMMANDS = ["demo", "generate", "serve", "bench-serve", "eval", "bench", "report", "card", "export-generate",
+            "bench-retrieval", "recall", "needle", "agentic", "gpu-check"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
