@@ -17,7 +17,7 @@ def products(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
     For bfloat16 keys it is computed as `(keys @ rowsᵀ)ᵀ`: with a few query rows against many keys, the CPU's
     bfloat16 matrix product runs faster with the key matrix as the left operand (the same products, rounded to
-    bfloat16 alike; `eval/bench_matmul_order.py` times both orders). Other dtypes keep `rows @ keysᵀ`, the faster order
+    bfloat16 alike; `results/bench/matmul-order-*.md` timed both orders). Other dtypes keep `rows @ keysᵀ`, the faster order
     for them."""
     if keys.dtype == torch.bfloat16:
         return torch.matmul(keys, rows.transpose(-1, -2)).transpose(-1, -2)
