@@ -65,3 +65,14 @@ def test_every_command_in_the_readme_answers_help(command, capsys):
         main([command, "--help"])
     assert exit_.value.code == 0
     assert "usage: dual-decoder" in capsys.readouterr().out
+
+
+def test_usage_examples_run_in_order_as_pasted(capsys):
+    """docs/usage.md's Python blocks, one namespace, top to bottom (the OpenAI client block needs a server)."""
+    text = (ROOT / "docs" / "usage.md").read_text(encoding="utf-8")
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "openai" not in b]
+    assert len(blocks) >= 3
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, "docs/usage.md", "exec"), namespace)  # noqa: S102 - the docs' own code
+    assert namespace["answers"].shape[0] == 2
