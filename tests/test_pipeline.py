@@ -127,9 +127,9 @@ def test_host_capacity_check_raises_before_allocating():
     model = six_layer_llama(seed=45)
     ids = _prompt(46, 300, batch=2)
     threads, host = threading.active_count(), live_host_bytes()
-    # each layer's store: a 300-token chunk for the prompt, then one of min(128, 300 // 2) tokens for the new ones;
-    # needed: 6 layers × 2 (K, V) × 2 seqs × 2 heads × (300 + 128) tokens × 16 dims × 4 bytes
-    needed = 6 * 2 * 2 * 2 * (300 + 128) * 16 * 4
+    # a first request's stores are sized to it at once: 300 prompt + 8 new tokens + the speculated one;
+    # needed: 6 layers × 2 (K, V) × 2 seqs × 2 heads × 309 tokens × 16 dims × 4 bytes
+    needed = 6 * 2 * 2 * 2 * (300 + 8 + 1) * 16 * 4
     with pytest.raises(HostMemoryError, match="max_host_bytes") as error:
         model.generate(ids, max_new_tokens=8, cache_implementation="dual",
                        cache_config={"host_chunk_tokens": 128, "max_host_bytes": needed - 1})
