@@ -108,7 +108,7 @@ def _dual_config(args) -> DualDecoderConfig:
         budget=args.budget, n_sink=args.n_sink, window=args.window, speculator=args.speculator,
         miss_repair=not args.no_miss_repair, repair_drift=args.repair_drift, selector=args.selector,
         shortlist_channels=args.shortlist_channels, shortlist_factor=args.shortlist_factor,
-        lowbit_factor=args.lowbit_factor, prefill_progress=True,
+        lowbit_factor=args.lowbit_factor, lowbit_channels=args.lowbit_channels, prefill_progress=True,
     )
 
 
@@ -187,8 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="host selection (dual_cache/selectors/): exact top-k over every key (native engine), "
                             "lowbit (2-bit key index + exact rescoring), clusters, block, shortlist, oracle, quest "
                             "(default %(default)s)")
-        p.add_argument("--lowbit-factor", type=int, default=4,
+        p.add_argument("--lowbit-factor", type=int, default=DualDecoderConfig.lowbit_factor,
                        help="lowbit: positions rescored exactly per KV head, as a multiple of the budget")
+        p.add_argument("--lowbit-channels", type=float, default=DualDecoderConfig.lowbit_channels,
+                       help="lowbit: fraction of the key channels the 2-bit scan reads, in (0, 1]")
         p.add_argument("--shortlist-channels", type=int, default=None,
                        help="shortlist: query channels scored per KV head (default head_dim / 8)")
         p.add_argument("--shortlist-factor", type=int, default=8,

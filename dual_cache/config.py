@@ -86,6 +86,9 @@ class DualDecoderConfig:
             contexts), the one-level path runs; the nodes' summaries are kept all the same.
         lowbit_factor: `selector="lowbit"`: positions per KV head the 2-bit key scan shortlists for exact
             rescoring, as a multiple of the budget.
+        lowbit_channels: `selector="lowbit"`: fraction of the channel quads (4 channels each) whose codes the scan
+            reads, in (0, 1]; the quads are chosen per step and KV head by `Σ_h |q_h| ×` the channel's step, and
+            the other channels enter at each 64-token group's midpoint (`engine/reference.py`). 1.0 reads them all.
         shortlist_channels: `selector="shortlist"`: query channels scored per KV head in the first stage; None =
             `max(1, head_dim // 8)` (values above `head_dim` act as `head_dim`).
         shortlist_factor: `selector="shortlist"` keeps `shortlist_factor × budget` positions per KV head for the
@@ -131,7 +134,8 @@ class DualDecoderConfig:
     cluster_min_context: int = 8192
     cluster_fanout: int = 1
     cluster_node_factor: int = 4
-    lowbit_factor: int = 4
+    lowbit_factor: int = 6
+    lowbit_channels: float = 0.375
     retrieval_threads: int | None = None
     prefill_chunk_size: int = 8192
     ngram_size: int = 3

@@ -64,13 +64,15 @@ def test_every_variant_selects_what_the_reference_selects(variant, case, seed):
     query, mask, keys, index = _problem(seed * 10 + case, batch, kv_heads, group, dim, n, dtype)
     view = (index.packed, index.params, index.group_first, index.usable(mask.shape[1]))
     library = native.library(variant)
-    for budget, shortlist, with_index in [(8, 0, False), (48, 0, False), (8, 32, True), (48, 96, True),
-                                          (16, 10_000, True)]:
+    all_quads = codes.padded_dim(dim) // 4
+    for budget, shortlist, with_index, quads in [(8, 0, False, None), (48, 0, False, None), (8, 32, True, None),
+                                                 (48, 96, True, max(1, all_quads // 3)), (8, 24, True, 1),
+                                                 (16, 10_000, True, 2)]:
         args = (query, mask, keys, budget, dim ** -0.5, view if with_index else None, shortlist)
-        expected = reference.select(*args)
-        got = engine._native_select(library, *args, threads=2)
-        assert torch.equal(got[1], expected[1]), (budget, shortlist, with_index)
-        assert torch.equal(got[0], expected[0]), (budget, shortlist, with_index)
+        expected = reference.select(*args, quads=quads)
+        got = engine._native_select(library, *args, threads=2, quads=quads)
+        assert torch.equal(got[1], expected[1]), (budget, shortlist, with_index, quads)
+        assert torch.equal(got[0], expected[0]), (budget, shortlist, with_index, quads)
 
 
 def test_shared_prefix_chunk_and_more_budget_than_candidates():
@@ -97,10 +99,11 @@ def test_equal_scores_go_to_the_lower_position(n):
 
 def test_result_does_not_depend_on_threads():
     query, mask, keys, index = _problem(5, 4, 3, 4, 64, 12000, torch.bfloat16)  # large enough to start threads
-    one = engine.select(query, mask, keys, 32, 0.125, index, 128, threads=1)
-    for threads in (2, 5, 64):
-        other = engine.select(query, mask, keys, 32, 0.125, index, 128, threads=threads)
-        assert torch.equal(one[0], other[0]) and torch.equal(one[1], other[1])
+    for quads in (16, 5):  # every channel quad, and a subset of them
+        one = engine.select(query, mask, keys, 32, 0.125, index, 128, quads, threads=1)
+        for threads in (2, 5, 64):
+            other = engine.select(query, mask, keys, 32, 0.125, index, 128, quads, threads=threads)
+            assert torch.equal(one[0], other[0]) and torch.equal(one[1], other[1])
 
 
 def test_codes_round_trip_and_dequantize_within_half_a_step():
@@ -177,6 +180,9 @@ def test_a_compiler_that_fails_falls_back_to_the_reference_with_one_warning(monk
 def test_bad_options_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="lowbit_factor"):
         DualDecoderConfig(selector="lowbit", lowbit_factor=0)
+    for channels in (0, 1.5, True, "half"):
+        with pytest.raises(ValueError, match="lowbit_channels"):
+            DualDecoderConfig(selector="lowbit", lowbit_channels=channels)
     monkeypatch.setenv("DUAL_CACHE_ENGINE", "fastest")
     with pytest.raises(ValueError, match="DUAL_CACHE_ENGINE must be one of"):
         native.library()
@@ -185,6 +191,9 @@ def test_bad_options_are_refused(monkeypatch):
         engine.select(query.double(), mask, keys, 8, 0.2)
     with pytest.raises(ValueError, match="fewer than end"):
         engine.select(query, torch.ones(1, 999, dtype=torch.bool), keys, 8, 0.2)
+    for quads in (0, 9, 2.5):  # 32 channels: 8 quads
+        with pytest.raises(ValueError, match="quads"):
+            engine.select(query, mask, keys, 8, 0.2, quads=quads)
 
 
 @pytest.mark.parametrize("threads", [0, 1, 3])
@@ -215,3 +224,23 @@ def test_native_quantize_writes_the_bytes_of_the_reference(variant, dtype, dim, 
     keys[2, :, 3] = 1.5  # a constant channel: step 0
     expected, got = codes.quantize(keys), codes.quantize_fast(keys, threads=3)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_the_scan_reads_only_the_chosen_channel_quads():
+    query, mask, keys, index = _problem(9, 1, 1, 4, 64, 3000, torch.bfloat16)  # one KV head of 16 quads
+    groups = int(index.usable(mask.shape[1])[0])
+    chosen = reference.choose_quads(query[0], index.params[0, 0, :groups, 1].float(), 5)
+    before = engine.select(query, mask, keys, 16, 0.125, index, 64, 5)
+    scrambled = index.packed.clone().view(1, 1, -1, 16, 64)  # (b, H, groups, quad, 64 bytes)
+    others = torch.tensor([j for j in range(16) if j not in chosen.tolist()])
+    noise = torch.randint(0, 256, scrambled[:, :, :, others].shape, generator=torch.Generator().manual_seed(9))
+    scrambled[:, :, :, others] = noise.to(torch.uint8)
+    after = engine.select(query, mask, keys, 16, 0.125,
+                          engine.IndexView(scrambled.view_as(index.packed), index.params, index.group_first,
+                                           index.n_groups), 64, 5)
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+    full_before = engine.select(query, mask, keys, 16, 0.125, index, 64)  # every quad read: the codes count
+    full_after = engine.select(query, mask, keys, 16, 0.125,
+                               engine.IndexView(scrambled.view_as(index.packed), index.params, index.group_first,
+                                                index.n_groups), 64)
+    assert not torch.equal(full_before[0], full_after[0])

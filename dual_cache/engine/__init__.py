@@ -8,6 +8,7 @@ index's storage format. The engine knows nothing of transformers, caches or sele
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -42,13 +43,14 @@ class IndexView:
 
 
 def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor], budget: int, scaling: float,
-           index: IndexView | None = None, shortlist: int = 0,
+           index: IndexView | None = None, shortlist: int = 0, quads: int | None = None,
            threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-`budget` positions per (sequence, KV head) by group attention mass, optionally among a shortlist.
 
-    Without `index` every candidate is scored exactly ("exact"). With it, a scan of the 2-bit codes shortlists
-    `shortlist` positions per (sequence, KV head); they and the candidates the index does not cover are scored
-    exactly (`reference.py` gives the definitions).
+    Without `index` every candidate is scored exactly ("exact"). With it, a scan of the 2-bit codes of `quads`
+    channel quads (the rest enter at each group's midpoint) shortlists `shortlist` positions per (sequence, KV
+    head); they and the candidates the index does not cover are scored exactly (`reference.py` gives the
+    definitions).
 
     Args:
         query: `(b, H_q, D)` float32 host queries (after RoPE); `H_q` a multiple of `H_kv`.
@@ -58,6 +60,7 @@ def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor]
         budget: positions per (sequence, KV head); scaling: the softmax scale.
         index: the sequences' 2-bit key index, or None.
         shortlist: positions the scan keeps per (sequence, KV head).
+        quads: channel quads (4 channels each) the scan reads, 1 .. `padded_dim(D) / 4`; None: all of them.
         threads: host threads (default `torch.get_num_threads()`); the result does not depend on it.
 
     Returns:
@@ -78,50 +81,57 @@ def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor]
     end = mask.shape[1]
     if sum(c.shape[2] for c in keys) < end:
         raise ValueError(f"The key chunks hold {sum(c.shape[2] for c in keys)} positions, fewer than end={end}.")
+    all_quads = padded_dim(dim) // 4
+    quads = all_quads if quads is None else quads
+    if isinstance(quads, bool) or not isinstance(quads, int) or not 1 <= quads <= all_quads:
+        raise ValueError(f"select needs 1 <= quads <= {all_quads} (channel quads of a {dim}-channel head), got "
+                         f"{quads!r}.")
     view = None
     if index is not None:
         view = (index.packed, index.params, index.group_first, index.usable(end))
     library = native.library()
     if library is None or budget == 0 or end == 0:
-        return reference.select(query, mask, keys, budget, scaling, view, shortlist)
+        return reference.select(query, mask, keys, budget, scaling, view, shortlist, quads)
     return _native_select(library, query.contiguous(), mask.contiguous(), keys, budget, scaling, view, shortlist,
-                          torch.get_num_threads() if threads is None else threads)
+                          torch.get_num_threads() if threads is None else threads, quads)
 
 
-def _native_select(library, query, mask, keys, budget, scaling, view, shortlist, threads):
+def _int64s(values: list[int]):
+    """A ctypes int64 array of `values` (cheaper per call than building small torch tensors)."""
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+def _native_select(library, query, mask, keys, budget, scaling, view, shortlist, threads, quads=None):
     batch, q_heads, dim = query.shape
     kv_heads = keys[0].shape[1]
     element = keys[0].element_size()
-    starts, lengths, pointers = [], [], []
+    starts, lengths, rows = [], [], []  # rows: per chunk, the address of each (sequence, KV head)'s first key row
     start = 0
-    shared = torch.zeros(batch, 1, dtype=torch.long)  # a chunk of batch 1: every sequence reads its row 0
-    heads = torch.arange(kv_heads)[None, :]
     for chunk in keys:
         starts.append(start)
         lengths.append(chunk.shape[2])
         start += chunk.shape[2]
-        sequences = torch.arange(batch)[:, None] if chunk.shape[0] > 1 else shared
-        pointers.append(chunk.data_ptr() + (sequences * chunk.stride(0) + heads * chunk.stride(1)) * element)
-    seg_start = torch.tensor(starts, dtype=torch.long)
-    seg_len = torch.tensor(lengths, dtype=torch.long)
-    seg_ptr = torch.stack(pointers, dim=-1).reshape(batch * kv_heads, len(keys)).contiguous()
+        base, s0, s1 = chunk.data_ptr(), chunk.stride(0) * element, chunk.stride(1) * element
+        shared = chunk.shape[0] == 1  # a chunk of batch 1: every sequence reads its row 0
+        rows.append([base + (0 if shared else b * s0) + h * s1 for b in range(batch) for h in range(kv_heads)])
+    seg_ptr = _int64s([row[task] for task in range(batch * kv_heads) for row in rows])  # (B·H_kv, chunks)
     indices = torch.empty(batch, kv_heads, budget, dtype=torch.long)
     valid = torch.empty(batch, kv_heads, budget, dtype=torch.bool)
     codes_ptr = params_ptr = group_first = n_groups = None
     dim_q = padded_dim(dim)
+    quads = dim_q // 4 if quads is None else quads
     if view is not None:
-        packed, params, group_first, n_groups = view
-        group_first, n_groups = group_first.contiguous(), n_groups.contiguous()
+        packed, params, first, groups = view
         if not (packed.is_contiguous() and params.is_contiguous()):
             raise ValueError("The index's packed codes and parameters must be contiguous tensors.")
-        codes_ptr = (packed.data_ptr() + torch.arange(batch * kv_heads) * packed.stride(1)).contiguous()
-        params_ptr = (params.data_ptr() + torch.arange(batch * kv_heads) * params.stride(1) * 2).contiguous()
-    pointer = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        codes_ptr = _int64s([packed.data_ptr() + t * packed.stride(1) for t in range(batch * kv_heads)])
+        params_ptr = _int64s([params.data_ptr() + t * params.stride(1) * 2 for t in range(batch * kv_heads)])
+        group_first, n_groups = _int64s(first.tolist()), _int64s(groups.tolist())
     status = library.dc_select(
         batch, kv_heads, q_heads // kv_heads, dim, KEY_TYPES[keys[0].dtype], query.data_ptr(), scaling,
-        mask.shape[1], mask.data_ptr(), len(keys), seg_start.data_ptr(), seg_len.data_ptr(), seg_ptr.data_ptr(),
-        pointer(codes_ptr), pointer(params_ptr), pointer(group_first), pointer(n_groups), dim_q, shortlist, budget,
-        indices.data_ptr(), valid.data_ptr(), max(1, threads))
+        mask.shape[1], mask.data_ptr(), len(keys), _int64s(starts), _int64s(lengths), seg_ptr, codes_ptr,
+        params_ptr, group_first, n_groups, dim_q, quads, shortlist, budget, indices.data_ptr(), valid.data_ptr(),
+        max(1, threads))
     if status != 0:
         raise MemoryError("The native selection engine could not allocate its scratch memory.")
     return indices, valid

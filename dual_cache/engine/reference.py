@@ -3,19 +3,22 @@
 It is what `selection_engine.cpp` is tested against on random inputs and what runs when the engine cannot be built.
 Per (sequence, KV head), with the GQA group's `G` query heads `q_h` (float32, after RoPE) and softmax scale `s`:
 
-1. **Scan** (only with an index, `codes.py`): for each indexed group `g` and head `h`, `w = q_h ⊙ step_g` (float32),
-   `σ = max|w| / 127`, `w8 = round(w · (1 / σ))` (int8), `bias = q_h · min_g` (`lane_dot`); the
-   approximate logit of a token with codes `c` is `s · (bias + σ · (w8 · c))`, the dot product an exact integer.
-   A position's score is the largest over the group of its approximate logit minus that head's largest among the
-   candidates. The `shortlist` best-scoring candidates, plus every candidate the index does not cover (before the
-   first group, after the last complete one), go to the exact stage.
+1. **Scan** (only with an index, `codes.py`; `scan_scores`): the codes of `quads` channel quads are read, chosen per
+   KV head by `Σ_h |q_h| ×` the channel's step summed over every 16th group; the other channels enter at each
+   group's midpoint `min + 1.5 · step`. Per group `g` and head `h`, int8 weights `w8 = round(q_h ⊙ step_g / σ)`
+   over the chosen channels give an approximate logit `l_h = fma(A, w8 · c, C)` (the dot product an exact integer;
+   `A`, `C` per group and head). A position's score is the largest over the group of `l_h − LZ_h`, with `LZ_h` head
+   `h`'s log-sum-exp over the sampled groups: its approximate log-probability. The `shortlist` best-scoring
+   candidates, plus every candidate the index does not cover (before the first group, after the last complete
+   one), go to the exact stage.
 2. **Exact stage**: float32 logits `s · (q_h · k)` of those positions, each head's softmax over them, summed over
    the group (the attention mass of `retrieval.group_attention_mass`, normalised over the rescored positions); the
    `budget` best.
 
 Ties (equal scores) go to the lower position, in both stages. The engine computes the scan's integers and
-float32 steps identically; its exact logits sum products in another order and its `exp` is a polynomial, so its
-masses differ from these in the last bits (a selection can differ only where two masses agree to that precision).
+float32 steps identically; its `exp` is a polynomial and its exact logits sum products in another order, so `LZ_h`
+and the masses differ from these in the last bits (a selection can differ only where two scores agree to that
+precision).
 """
 
 from __future__ import annotations
@@ -81,40 +84,110 @@ def exact_stage(query: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor
     return indices, valid
 
 
-def scan_scores(query: torch.Tensor, packed: torch.Tensor, params: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Approximate scaled logits of every indexed token.
+SAMPLE_EVERY = 16  # groups 0, 16, 32, ... estimate each head's softmax normalizer
+
+
+def lane_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum of a float32 vector `(n,)` as the engine's `sum_lanes` adds it: lane `j` accumulates `x[j], x[j + 16],
+    …` in order (zero-padded), then the pairwise tree of `lane_dot`."""
+    x = torch.nn.functional.pad(x, (0, -x.shape[0] % LANES)).view(-1, LANES)
+    acc = torch.zeros(LANES, dtype=torch.float32)
+    for row in x:
+        acc = acc + row
+    width = LANES // 2
+    while width:
+        acc = acc[:width] + acc[width:2 * width]
+        width //= 2
+    return acc[0]
+
+
+def choose_quads(query: torch.Tensor, steps: torch.Tensor, quads: int) -> torch.Tensor:
+    """The channel quads the scan reads for one KV head.
 
     Args:
-        query: `(H_kv, G, D)` float32; packed: `(H_kv, n_groups, 16 · D_q)` uint8; params: `(H_kv, n_groups, 2, D_q)`
-            bfloat16 (`codes.quantize`).
+        query: `(G, D_q)` float32 (zero-padded); steps: `(n_groups, D_q)` float32 per-group steps; quads: how many.
 
     Returns:
-        `(H_kv, G, n_groups · GROUP)` float32.
+        `(quads,)` int64 ascending: the quads of largest `Σ_{c ∈ quad} (Σ_h |q_hc|) · (Σ_{sampled g} step_gc)`
+        (sampled groups: every `SAMPLE_EVERY`-th; sums in order), ties to the lower quad.
     """
-    kv_heads, group, dim = query.shape
-    n_groups = packed.shape[1]
+    total = torch.zeros(steps.shape[1], dtype=torch.float32)
+    for row in steps[::SAMPLE_EVERY]:
+        total = total + row
+    weight = torch.zeros(query.shape[1], dtype=torch.float32)
+    for row in query:
+        weight = weight + row.abs()
+    b = weight * total
+    importance = ((b[0::4] + b[1::4]) + b[2::4]) + b[3::4]
+    chosen = torch.sort(importance, descending=True, stable=True).indices[:quads]
+    return torch.sort(chosen).values
+
+
+def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """float32 `a · b + c` with one rounding (emulated in float64, as `lane_dot`)."""
+    return (a.double() * b.double() + c.double()).float()
+
+
+def scan_scores(query: torch.Tensor, packed: torch.Tensor, params: torch.Tensor, scaling: float, quads: int,
+                usable: torch.Tensor) -> torch.Tensor:
+    """The scan's score of every indexed token of one KV head (`selection_engine.cpp`, "2-bit index scan").
+
+    Per group `g` and query head `h`, over the chosen quads' channels `S` (`choose_quads`): `w = q_h ⊙ step_g[S]`,
+    `σ = max|w| / 127`, `w8 = round(w · (1 / σ))` (int8; 0 when σ = 0), `A = s · σ`,
+    `C = s · (q_h · mid_g − (1.5 σ) · Σ w8)` with `mid = min + 1.5 · step` and the dot summed as `lane_dot`; the
+    approximate logit of token `t` is `l = fma(A, Σ_S w8 · code_t, C)` (the sum an exact integer). `LZ_h`: the
+    log-sum-exp of head `h`'s `l` over the usable tokens of every `SAMPLE_EVERY`-th group (0 when there is none);
+    the score is `max_h fma(A, Σ_S w8 · code_t, C − LZ_h)`, `-inf` where not usable.
+
+    Args:
+        query: `(G, D)` float32; packed: `(n_groups, 16 · D_q)` uint8; params: `(n_groups, 2, D_q)` bfloat16
+            (`codes.quantize`); scaling: the softmax scale `s`; quads: channel quads read; usable: `(n_groups · 64,)`
+            bool.
+
+    Returns:
+        `(n_groups · GROUP,)` float32.
+    """
+    group, dim = query.shape
+    n_groups = packed.shape[0]
     dim_q = padded_dim(dim)
-    q = torch.nn.functional.pad(query, (0, dim_q - dim))  # (H, G, Dq)
-    codes = unpack(packed.reshape(-1, 16 * dim_q)).view(kv_heads, n_groups, GROUP, dim_q).double()
-    low, step = params[:, :, 0].float(), params[:, :, 1].float()  # (H, n, Dq)
-    w = q[:, None] * step[:, :, None]  # (H, n, G, Dq)
-    sigma = w.abs().amax(dim=-1) / 127  # (H, n, G)
+    q = torch.nn.functional.pad(query, (0, dim_q - dim))  # (G, Dq)
+    low, step = params[:, 0].float(), params[:, 1].float()  # (n, Dq)
+    chosen = choose_quads(q, step, quads)
+    channels = (chosen[:, None] * 4 + torch.arange(4)).flatten()
+    codes = unpack(packed).long()[:, :, channels]  # (n, 64, 4R)
+    mid = low + torch.tensor(1.5) * step
+    dmid = lane_dot(q[None], mid[:, None])  # (n, G)
+    w = q[None, :, channels] * step[:, None, channels]  # (n, G, 4R)
+    sigma = w.abs().amax(dim=-1) / 127  # (n, G)
     inverse = 1 / torch.where(sigma > 0, sigma, torch.ones(()))
-    w8 = torch.where(sigma[..., None] > 0, torch.round(w * inverse[..., None]), torch.zeros(()))
-    dots = torch.matmul(codes, w8.double().transpose(-1, -2)).float()  # (H, n, 64, G), exact integers
-    bias = lane_dot(q[:, None], low[:, :, None])  # (H, n, G)
-    approx = bias[:, :, None, :] + sigma[:, :, None, :] * dots
-    approx = torch.tensor(scaling, dtype=torch.float32) * approx
-    return approx.permute(0, 3, 1, 2).reshape(kv_heads, group, n_groups * GROUP)
+    w8 = torch.where(sigma[..., None] > 0, torch.round(w * inverse[..., None]), torch.zeros(())).long()
+    dots = torch.einsum("ntc,ngc->ngt", codes, w8)  # (n, G, 64) exact integers
+    scale = torch.tensor(scaling, dtype=torch.float32)
+    a = scale * sigma
+    c = scale * (dmid - (torch.tensor(1.5) * sigma) * w8.sum(-1).float())
+    keep = usable.view(n_groups, 1, GROUP)
+    ninf = torch.tensor(float("-inf"))
+    sampled = torch.where(keep, fma(a[..., None], dots.float(), c[..., None]), ninf)[::SAMPLE_EVERY]  # (ns, G, 64)
+    offset = torch.zeros(group, dtype=torch.float32)
+    for h in range(group):
+        values = sampled[:, h].flatten()
+        peak = values.max()
+        if peak > float("-inf"):
+            total = lane_sum(torch.exp(values - peak))
+            offset[h] = peak + torch.log(total.double()).float()
+    score = fma(a[..., None], dots.float(), (c - offset)[..., None]).amax(dim=1)  # (n, 64)
+    return torch.where(keep[:, 0], score, ninf).flatten()
 
 
 def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor], budget: int, scaling: float,
-           index: tuple | None = None, shortlist: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+           index: tuple | None = None, shortlist: int = 0,
+           quads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of `dual_cache.engine.select` (same arguments and results; see there)."""
     batch, q_heads, dim = query.shape
     end = mask.shape[1]
     kv_heads = keys[0].shape[1]
     group = q_heads // kv_heads
+    quads = padded_dim(dim) // 4 if quads is None else quads
     indices = torch.zeros(batch, kv_heads, budget, dtype=torch.long)
     valid = torch.zeros(batch, kv_heads, budget, dtype=torch.bool)
     for b in range(batch):
@@ -128,10 +201,11 @@ def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor]
         if groups > 0:
             covered = torch.arange(first, first + groups * GROUP)
             usable = mask[b, covered]
-            approx = scan_scores(q, packed[b, :, :groups], params[b, :, :groups], scaling)  # (H, G, covered)
-            approx = approx[:, :, usable]
-            score = (approx - approx.amax(dim=-1, keepdim=True)).amax(dim=1)  # (H, usable)
-            picked = covered[usable][top_by_score(score, min(shortlist, score.shape[-1]))]  # (H, m)
+            picked = []
+            for h in range(kv_heads):
+                score = scan_scores(q[h], packed[b, h, :groups], params[b, h, :groups], scaling, quads, usable)
+                picked.append(covered[usable][top_by_score(score[usable], min(shortlist, int(usable.sum())))])
+            picked = torch.stack(picked)  # (H, m)
             before = candidates[candidates < first].expand(kv_heads, -1)
             after = candidates[candidates >= first + groups * GROUP].expand(kv_heads, -1)
             positions = torch.cat([before, picked, after], dim=1)

@@ -3,11 +3,12 @@
 //
 // One call selects, for every (sequence, KV head) of one layer's decode step, the `budget` positions of highest
 // exact group attention mass:
-//   1. optional scan of the 2-bit key index: per 64-token group an int8 copy of (query x channel scale) is dotted
-//      with the 2-bit codes in exact integer arithmetic (AVX-512 VNNI, AVX2 or scalar; the same integers on
-//      every path), giving approximate logits; each position's score is max over the GQA group of its logit
-//      minus that head's largest; the `shortlist` best positions, plus every candidate the index does not cover
-//      (the tail), are rescored exactly;
+//   1. optional scan of the 2-bit key index over a chosen subset of its channel quads (the rest at each group's
+//      midpoint): per 64-token group an int8 copy of (query x channel step) is dotted with the 2-bit codes in exact
+//      integer arithmetic (AVX2 or scalar; the same integers on every path), giving approximate logits; each
+//      position's score is max over the GQA group of its logit minus that head's log-sum-exp over a sample of
+//      groups; the `shortlist` best positions, plus every candidate the index does not cover (the tail), are
+//      rescored exactly (section "2-bit index scan" below);
 //   2. exact stage: float32 logits of the rescored positions from the host store's keys, softmax per query head
 //      over them, summed over the group; the `budget` best (ties: lower position first), returned ascending.
 // Floating-point work is written as fixed 16-lane loops with no contraction (-ffp-contract=off), so every build
@@ -31,7 +32,6 @@ constexpr int64_t GROUP = 64;  // tokens per index group
 constexpr int LANES = 16;
 constexpr int64_t PREFETCH = 8;  // rows of the exact stage requested ahead
 constexpr int64_t MIN_POSITIONS_PER_THREAD = 16384;  // (sequence, KV head, position) triples per started thread
-constexpr int MAX_G = 8;       // query heads per scan pass (larger groups run in passes of 8)
 
 enum KeyType { F32 = 0, BF16 = 1, F16 = 2 };
 
@@ -66,6 +66,7 @@ struct Call {
   const int64_t* group_first; // (batch,)
   const int64_t* n_groups;    // (batch,)
   int64_t dim_q;              // channels of the index (dim rounded up to a multiple of 4)
+  int64_t quads;              // channel quads the scan reads (1 .. dim_q / 4)
   int64_t shortlist;
   int64_t budget;
   int64_t* out_indices;  // (batch, kv_heads, budget)
@@ -73,14 +74,16 @@ struct Call {
 };
 
 struct Scratch {
-  std::vector<float> q, row, logits, approx, score;
+  std::vector<float> q, row, logits, score, sample, kept_score;
   std::vector<int64_t> positions, chosen, pick_boundary, next;
   std::vector<uint32_t> keys;
-  std::vector<int32_t> hist;
-  std::vector<int8_t> wq;
-  std::vector<int32_t> acc;
-  std::vector<float> w, low, qh, sample, kept_score, peak;
-  std::vector<int32_t> kept_index;
+  std::vector<int32_t> hist, kept_index;
+  // the index scan
+  std::vector<float> steps, row_f, importance, low, step, mid, w, sample_a, sample_c, offset, a_buf, b_buf, q_sel,
+      step_sel, dmid;
+  int64_t k_sel = 0;
+  std::vector<int32_t> quads, acc, sample_acc;
+  std::vector<int8_t> w8;
 };
 
 // Scratch buffers outlive a call (a fresh multi-MiB buffer per call would be faulted in page by page): a free
@@ -126,6 +129,18 @@ void to_float(const void* src, int key_type, int64_t dim, float* dst) {
   }
 }
 
+// bf16 -> float32 of n values
+inline void bf16_row(const uint16_t* src, int64_t n, float* dst) {
+  int64_t d = 0;
+#if defined(__AVX2__)
+  for (; d + 8 <= n; d += 8) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
+    _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16)));
+  }
+#endif
+  for (; d < n; ++d) dst[d] = bf16_to_f32(src[d]);
+}
+
 // dot of two zero-padded rows of dim_pad floats: 16 lane sums (fused multiply-add), then a fixed pairwise tree
 inline float tree_sum(const float* acc) {
   float t8[8], t4[4], t2[2];
@@ -136,10 +151,45 @@ inline float tree_sum(const float* acc) {
 }
 
 inline float dot_lanes(const float* a, const float* b, int64_t dim_pad) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();  // lanes 0-7 and 8-15 of the loop below
+  for (int64_t d = 0; d < dim_pad; d += LANES) {
+    lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), lo);
+    hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), hi);
+  }
+  alignas(32) float acc[LANES];
+  _mm256_store_ps(acc, lo);
+  _mm256_store_ps(acc + 8, hi);
+  return tree_sum(acc);
+#else
   float acc[LANES] = {0};
   for (int64_t d = 0; d < dim_pad; d += LANES)
     for (int j = 0; j < LANES; ++j) acc[j] = std::fma(a[d + j], b[d + j], acc[j]);
   return tree_sum(acc);
+#endif
+}
+
+// dot_lanes of four rows of q (stride dim_pad) with one row b, computed together
+inline void dots_lanes4(const float* q, const float* b, int64_t dim_pad, float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 lo[4], hi[4];
+  for (int h = 0; h < 4; ++h) lo[h] = hi[h] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < dim_pad; d += LANES) {
+    const __m256 b0 = _mm256_loadu_ps(b + d), b1 = _mm256_loadu_ps(b + d + 8);
+    for (int h = 0; h < 4; ++h) {
+      lo[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * dim_pad + d), b0, lo[h]);
+      hi[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * dim_pad + d + 8), b1, hi[h]);
+    }
+  }
+  alignas(32) float acc[LANES];
+  for (int h = 0; h < 4; ++h) {
+    _mm256_store_ps(acc, lo[h]);
+    _mm256_store_ps(acc + 8, hi[h]);
+    out[h] = tree_sum(acc);
+  }
+#else
+  for (int h = 0; h < 4; ++h) out[h] = dot_lanes(q + h * dim_pad, b, dim_pad);
+#endif
 }
 
 // the G dots of one key row with G query rows (stride dim_pad), each summed exactly as dot_lanes
@@ -285,6 +335,76 @@ inline bool simd_logits(const void* row, int key_type, const float* q, int64_t g
   else heads_logits<F16>(row, q, g, dim, dim_pad, scaling, out, stride);
   return true;
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// The AVX-512 path's arithmetic with 16 lanes held in two 8-lane registers (lanes 0-7 and 8-15).
+inline float tree_sum8x2(__m256 lo, __m256 hi) {
+  const __m256 t8 = _mm256_add_ps(lo, hi);  // lanes j + j+8
+  const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+  const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+  return _mm_cvtss_f32(_mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1)));
+}
+
+template <int KT>
+inline __m256 load8(const void* row, int64_t d) {
+  if (KT == F32) return _mm256_loadu_ps(static_cast<const float*>(row) + d);
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + d));
+  if (KT == BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+  return _mm256_cvtph_ps(half);
+}
+
+template <int G, int KT>
+inline void row_logits(const void* row, const float* q, int64_t dim, int64_t dim_pad, float scaling, float* out,
+                       int64_t stride) {
+  __m256 lo[G], hi[G];
+  for (int h = 0; h < G; ++h) lo[h] = hi[h] = _mm256_setzero_ps();
+  const int64_t full = dim / LANES * LANES;
+  for (int64_t d = 0; d < full; d += LANES) {
+    const __m256 k0 = load8<KT>(row, d), k1 = load8<KT>(row, d + 8);
+    for (int h = 0; h < G; ++h) {
+      lo[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * dim_pad + d), k0, lo[h]);
+      hi[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * dim_pad + d + 8), k1, hi[h]);
+    }
+  }
+  if (full < dim_pad) {  // the last, partial block: the row's tail copied into zeros
+    alignas(32) uint8_t tail[LANES * 4] = {};
+    const int64_t elem = KT == F32 ? 4 : 2;
+    std::memcpy(tail, static_cast<const char*>(row) + full * elem, (dim - full) * elem);
+    const __m256 k0 = load8<KT>(tail, 0), k1 = load8<KT>(tail, 8);
+    for (int h = 0; h < G; ++h) {
+      lo[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * dim_pad + full), k0, lo[h]);
+      hi[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * dim_pad + full + 8), k1, hi[h]);
+    }
+  }
+  for (int h = 0; h < G; ++h) out[h * stride] = scaling * tree_sum8x2(lo[h], hi[h]);
+}
+
+template <int KT>
+inline void heads_logits(const void* row, const float* q, int64_t g, int64_t dim, int64_t dim_pad, float scaling,
+                         float* out, int64_t stride) {
+  for (int64_t h0 = 0; h0 < g; h0 += 4) {
+    const float* qh = q + h0 * dim_pad;
+    float* o = out + h0 * stride;
+    switch (std::min<int64_t>(4, g - h0)) {
+      case 1: row_logits<1, KT>(row, qh, dim, dim_pad, scaling, o, stride); break;
+      case 2: row_logits<2, KT>(row, qh, dim, dim_pad, scaling, o, stride); break;
+      case 3: row_logits<3, KT>(row, qh, dim, dim_pad, scaling, o, stride); break;
+      default: row_logits<4, KT>(row, qh, dim, dim_pad, scaling, o, stride); break;
+    }
+  }
+}
+
+inline bool simd_logits(const void* row, int key_type, const float* q, int64_t g, int64_t dim, int64_t dim_pad,
+                        float scaling, float* out, int64_t stride) {
+  if (key_type == BF16) heads_logits<BF16>(row, q, g, dim, dim_pad, scaling, out, stride);
+  else if (key_type == F32) heads_logits<F32>(row, q, g, dim, dim_pad, scaling, out, stride);
+  else heads_logits<F16>(row, q, g, dim, dim_pad, scaling, out, stride);
+  return true;
+}
+
+inline bool simd_block_logits(const void* const*, int, const float*, int64_t, int64_t, int64_t, float, float*,
+                              int64_t) {
+  return false;
+}
 #else
 inline bool simd_logits(const void*, int, const float*, int64_t, int64_t, int64_t, float, float*, int64_t) {
   return false;
@@ -320,7 +440,29 @@ float max_lanes(const float* x, int64_t n) {
 // exp(x) for x <= 0 (Cody-Waite reduction, degree-6 polynomial; 0 below -87), lane-parallel
 void exp_nonpositive(float* x, int64_t n) {
   const float log2e = 1.44269504088896341f, c1 = 0.693359375f, c2 = -2.12194440e-4f, magic = 12582912.0f;
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  {  // the loop below, 8 lanes at a time (the same operations, each rounded alike)
+    const __m256 lowest = _mm256_set1_ps(-87.0f), vlog2e = _mm256_set1_ps(log2e), vmagic = _mm256_set1_ps(magic);
+    const __m256 vc1 = _mm256_set1_ps(c1), vc2 = _mm256_set1_ps(c2), one = _mm256_set1_ps(1.0f);
+    const float coef[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                           1.6666665459e-1f, 5.0000001201e-1f};
+    for (; i + 8 <= n; i += 8) {
+      const __m256 x0 = _mm256_loadu_ps(x + i);
+      const __m256 under = _mm256_cmp_ps(x0, lowest, _CMP_LT_OQ);
+      const __m256 v = _mm256_blendv_ps(x0, lowest, under);
+      const __m256 k = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(v, vlog2e), vmagic), vmagic);
+      const __m256 r = _mm256_sub_ps(_mm256_sub_ps(v, _mm256_mul_ps(k, vc1)), _mm256_mul_ps(k, vc2));
+      __m256 p = _mm256_set1_ps(coef[0]);
+      for (int j = 1; j < 6; ++j) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(coef[j]));
+      p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), one);
+      const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+      const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+      _mm256_storeu_ps(x + i, _mm256_andnot_ps(under, e));
+    }
+  }
+#endif
+  for (; i < n; ++i) {
     float v = x[i] < -87.0f ? -87.0f : x[i];
     float t = v * log2e;
     float k = (t + magic) - magic;  // round to nearest
@@ -369,6 +511,17 @@ int64_t keep_at_least(const float* score, int64_t n, float threshold, Scratch& s
     const __m512i index = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(i)));
     _mm512_storeu_si512(ki + count, _mm512_maskz_compress_epi32(hit, index));
     count += __builtin_popcount(hit);
+  }
+#elif defined(__AVX2__)
+  const __m256 th = _mm256_set1_ps(threshold);
+  for (; i + 8 <= n; i += 8) {
+    unsigned hit = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(score + i), th, _CMP_GE_OQ)));
+    while (hit) {
+      const int j = __builtin_ctz(hit);
+      ks[count] = score[i + j];
+      ki[count++] = static_cast<int32_t>(i + j);
+      hit &= hit - 1;
+    }
   }
 #endif
   for (; i < n; ++i)
@@ -437,211 +590,299 @@ void radix_top_m(const float* score, int64_t n, int64_t m, Scratch& s, std::vect
   for (int64_t j = 0; j < need; ++j) out.push_back(boundary[j]);
 }
 
-// --- 2-bit index scan ---------------------------------------------------------------------------------------
-// integer dot products of one group's 64 tokens with G int8 weight rows: acc[h * 64 + t]
+// --- 2-bit index scan over a subset of channel quads ------------------------------------------------------------
+// Per (sequence, KV head) the scan reads the codes of `quads` of the D_q / 4 channel quads only, chosen per call by
+// sum_h |q_h| x (the channel's step, summed over the sampled groups): the channels that move the logits most. The
+// other channels contribute each group's midpoint (min + 1.5 step) exactly, so a group's approximate logit of head
+// h at token t is
+//   l_h(t) = fma(A_h, acc_h(t), C_h),  acc_h(t) = sum over chosen channels of w8_c * code_c(t)  (exact integers),
+//   A_h = scale * sigma_h,  C_h = scale * (q_h . mid - (1.5 sigma_h) * sum_c w8_c),
+// with w = q_h (x) step over the chosen channels, sigma_h = max|w| / 127 and w8 = round(w / sigma_h). A position's
+// score is max_h (l_h(t) - LZ_h), where LZ_h is head h's log-sum-exp over the sampled groups (every 16th): a
+// head's approximate log-probability, so diffuse and peaked heads compare fairly. reference.py mirrors each step.
+constexpr int64_t SAMPLE_EVERY = 16;  // groups 0, 16, 32, ... estimate each head's softmax normalizer
+constexpr int64_t WIDEN_EVERY = 32;   // quads accumulated in 16 bits before widening (|sum| <= 32 * 768 < 2^15)
+constexpr int HEADS_PER_PASS = 4;     // query heads scanned per pass over a group's codes
+constexpr int64_t PREFETCH_GROUPS = 2;  // groups whose codes and parameters are requested ahead
+
+// acc[h * 64 + t] = sum over the chosen quads j of the 4 codes of token t in quad quads[j] times w8[h * 4R + 4j ..]
 template <int G>
-void scan_group(const uint8_t* codes, const int8_t* wq, int64_t dim_q, int32_t* acc) {
-  const int64_t quads = dim_q / 4;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  const __m512i shifts = _mm512_set_epi16(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4,
-                                          2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512i low2 = _mm512_set1_epi8(3);
-  __m512i a[G][4];
-  for (int h = 0; h < G; ++h)
-    for (int tb = 0; tb < 4; ++tb) a[h][tb] = _mm512_setzero_si512();
-  for (int64_t c = 0; c < quads; ++c) {
-    __m512i v[4];
-    for (int tb = 0; tb < 4; ++tb) {
-      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (c * 4 + tb) * 16));
-      v[tb] = _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i32x4(packed), shifts), low2);
-    }
-    for (int h = 0; h < G; ++h) {
-      int32_t w;
-      std::memcpy(&w, wq + h * dim_q + c * 4, 4);
-      const __m512i wb = _mm512_set1_epi32(w);
-      for (int tb = 0; tb < 4; ++tb) a[h][tb] = _mm512_dpbusd_epi32(a[h][tb], v[tb], wb);
-    }
-  }
-  for (int h = 0; h < G; ++h)
-    for (int tb = 0; tb < 4; ++tb) _mm512_storeu_si512(acc + h * GROUP + tb * 16, a[h][tb]);
-#elif defined(__AVX2__)
+void scan_quads(const uint8_t* codes, const int32_t* quads, int64_t R, const int8_t* w8, int32_t* acc) {
+#if defined(__AVX2__)
   const __m256i shift_lo = _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0);
   const __m256i shift_hi = _mm256_set_epi32(6, 6, 6, 6, 4, 4, 4, 4);
   const __m256i low2 = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
   for (int tb = 0; tb < 4; ++tb) {
-    __m256i lo[G], hi[G];
-    for (int h = 0; h < G; ++h) lo[h] = hi[h] = _mm256_setzero_si256();
-    for (int64_t c = 0; c < quads; ++c) {
-      __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (c * 4 + tb) * 16));
-      __m256i v = _mm256_broadcastsi128_si256(packed);
-      __m256i c0 = _mm256_and_si256(_mm256_srlv_epi32(v, shift_lo), low2);  // tokens 0..7 of the block
-      __m256i c1 = _mm256_and_si256(_mm256_srlv_epi32(v, shift_hi), low2);  // tokens 8..15
-      for (int h = 0; h < G; ++h) {
-        int32_t w;
-        std::memcpy(&w, wq + h * dim_q + c * 4, 4);
-        __m256i wb = _mm256_set1_epi32(w);
-        lo[h] = _mm256_add_epi32(lo[h], _mm256_madd_epi16(_mm256_maddubs_epi16(c0, wb), ones));
-        hi[h] = _mm256_add_epi32(hi[h], _mm256_madd_epi16(_mm256_maddubs_epi16(c1, wb), ones));
+    for (int64_t j0 = 0; j0 < R; j0 += WIDEN_EVERY) {
+      __m256i lo[G], hi[G];  // 16-bit sums of code pairs; only these stay in registers through the quads
+      for (int h = 0; h < G; ++h) lo[h] = hi[h] = _mm256_setzero_si256();
+      const int64_t j1 = std::min(R, j0 + WIDEN_EVERY);
+      for (int64_t j = j0; j < j1; ++j) {
+        const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (quads[j] * 4 + tb) * 16));
+        const __m256i v = _mm256_broadcastsi128_si256(packed);
+        const __m256i c0 = _mm256_and_si256(_mm256_srlv_epi32(v, shift_lo), low2);  // tokens 0..7 x 4 channels
+        const __m256i c1 = _mm256_and_si256(_mm256_srlv_epi32(v, shift_hi), low2);  // tokens 8..15
+        for (int h = 0; h < G; ++h) {
+          int32_t w;
+          std::memcpy(&w, w8 + h * 4 * R + 4 * j, 4);
+          const __m256i wb = _mm256_set1_epi32(w);
+          lo[h] = _mm256_add_epi16(lo[h], _mm256_maddubs_epi16(c0, wb));
+          hi[h] = _mm256_add_epi16(hi[h], _mm256_maddubs_epi16(c1, wb));
+        }
       }
-    }
-    for (int h = 0; h < G; ++h) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + h * GROUP + tb * 16), lo[h]);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + h * GROUP + tb * 16 + 8), hi[h]);
+      for (int h = 0; h < G; ++h) {  // widen to 32-bit token sums into acc
+        __m256i* out_lo = reinterpret_cast<__m256i*>(acc + h * GROUP + tb * 16);
+        __m256i* out_hi = out_lo + 1;
+        const __m256i wide_lo = _mm256_madd_epi16(lo[h], ones), wide_hi = _mm256_madd_epi16(hi[h], ones);
+        _mm256_storeu_si256(out_lo, j0 == 0 ? wide_lo : _mm256_add_epi32(_mm256_loadu_si256(out_lo), wide_lo));
+        _mm256_storeu_si256(out_hi, j0 == 0 ? wide_hi : _mm256_add_epi32(_mm256_loadu_si256(out_hi), wide_hi));
+      }
     }
   }
 #else
   for (int h = 0; h < G; ++h)
     for (int t = 0; t < GROUP; ++t) acc[h * GROUP + t] = 0;
-  for (int64_t c = 0; c < quads; ++c)
+  for (int64_t j = 0; j < R; ++j)
     for (int tb = 0; tb < 4; ++tb) {
-      const uint8_t* chunk = codes + (c * 4 + tb) * 16;
-      for (int p = 0; p < 64; ++p) {
+      const uint8_t* chunk = codes + (quads[j] * 4 + tb) * 16;
+      for (int p = 0; p < 64; ++p) {  // element p = 16 i + k: bit pair i of byte k (codes.py)
         const int code = (chunk[p % 16] >> (2 * (p / 16))) & 3;
         const int t = tb * 16 + p / 4;
-        for (int h = 0; h < G; ++h) acc[h * GROUP + t] += code * wq[h * dim_q + c * 4 + p % 4];
+        for (int h = 0; h < G; ++h) acc[h * GROUP + t] += code * w8[h * 4 * R + 4 * j + p % 4];
       }
     }
 #endif
 }
 
-void scan_dispatch(int g, const uint8_t* codes, const int8_t* wq, int64_t dim_q, int32_t* acc) {
-  switch (g) {
-    case 1: scan_group<1>(codes, wq, dim_q, acc); break;
-    case 2: scan_group<2>(codes, wq, dim_q, acc); break;
-    case 3: scan_group<3>(codes, wq, dim_q, acc); break;
-    case 4: scan_group<4>(codes, wq, dim_q, acc); break;
-    case 5: scan_group<5>(codes, wq, dim_q, acc); break;
-    case 6: scan_group<6>(codes, wq, dim_q, acc); break;
-    case 7: scan_group<7>(codes, wq, dim_q, acc); break;
-    default: scan_group<8>(codes, wq, dim_q, acc); break;
-  }
-}
-
-// Int8 weights of one (group, query head): w = q * step, sigma = max|w| / 127, w8 = round(w * (1 / sigma)) (0 when
-// sigma is 0; |w * (1 / sigma)| <= 127.5 rounds into int8); bias = q . low summed as dot_lanes. All arrays hold
-// dim_pad floats (zero past the channels). Returns sigma; writes bias.
-float group_weights(const float* __restrict q, const float* __restrict step, const float* __restrict low,
-                    int64_t dim_pad, int64_t dq, float* __restrict w, int8_t* __restrict w8, float& bias) {
-#if defined(__AVX512F__)
-  __m512 peak = _mm512_setzero_ps(), acc = _mm512_setzero_ps();
-  for (int64_t d = 0; d < dim_pad; d += LANES) {
-    const __m512 qv = _mm512_loadu_ps(q + d);
-    const __m512 wv = _mm512_mul_ps(qv, _mm512_loadu_ps(step + d));
-    _mm512_storeu_ps(w + d, wv);
-    peak = _mm512_max_ps(peak, _mm512_abs_ps(wv));
-    acc = _mm512_fmadd_ps(qv, _mm512_loadu_ps(low + d), acc);
-  }
-  bias = tree_sum16(acc);
-  const float sigma = _mm512_reduce_max_ps(peak) / 127.0f;
-  if (!(sigma > 0.0f)) {
-    std::memset(w8, 0, dq);
-    return sigma;
-  }
-  const __m512 inv = _mm512_set1_ps(1.0f / sigma);
-  int64_t d = 0;
-  for (; d + LANES <= dq; d += LANES) {
-    const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(w + d), inv),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(w8 + d), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r)));
-  }
-  for (; d < dq; ++d) w8[d] = static_cast<int8_t>(static_cast<int32_t>(std::nearbyint(w[d] * (1.0f / sigma))));
-  return sigma;
-#else
-  float peak[LANES] = {0}, acc[LANES] = {0};
-  for (int64_t d = 0; d < dim_pad; d += LANES)
-    for (int j = 0; j < LANES; ++j) {
-      w[d + j] = q[d + j] * step[d + j];
-      const float v = std::fabs(w[d + j]);
-      peak[j] = peak[j] > v ? peak[j] : v;
-      acc[j] = std::fma(q[d + j], low[d + j], acc[j]);
+void scan_heads(int64_t g, const uint8_t* codes, const int32_t* quads, int64_t R, const int8_t* w8, int32_t* acc) {
+  for (int64_t h0 = 0; h0 < g; h0 += HEADS_PER_PASS) {
+    const int8_t* w = w8 + h0 * 4 * R;
+    int32_t* a = acc + h0 * GROUP;
+    switch (std::min<int64_t>(HEADS_PER_PASS, g - h0)) {
+      case 1: scan_quads<1>(codes, quads, R, w, a); break;
+      case 2: scan_quads<2>(codes, quads, R, w, a); break;
+      case 3: scan_quads<3>(codes, quads, R, w, a); break;
+      default: scan_quads<4>(codes, quads, R, w, a); break;
     }
-  bias = tree_sum(acc);
-  float top = 0.0f;
-  for (int j = 0; j < LANES; ++j) top = top > peak[j] ? top : peak[j];
-  const float sigma = top / 127.0f;
-  if (!(sigma > 0.0f)) {
-    for (int64_t d = 0; d < dq; ++d) w8[d] = 0;
-    return sigma;
   }
-  const float inv = 1.0f / sigma;
-  for (int64_t d = 0; d < dq; ++d) w[d] = std::nearbyint(w[d] * inv);
-  for (int64_t d = 0; d < dq; ++d) w8[d] = static_cast<int8_t>(static_cast<int32_t>(w[d]));
-  return sigma;
-#endif
 }
 
-// bf16 -> float32 of n values (n a multiple of 4; dst holds n rounded up to 16, zero past n stays as it was)
-inline void bf16_row(const uint16_t* src, int64_t n, float* dst) {
-#if defined(__AVX512F__)
-  int64_t d = 0;
-  for (; d + LANES <= n; d += LANES) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
-    _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)));
+// The chosen quads (ascending): the `R` of largest importance sum_{c in quad} (sum_h |q_hc|) * (sum over the
+// sampled groups of step_c), ties to the lower quad.
+void choose_quads(const Call& c, const float* q, const uint16_t* params, int64_t groups, int64_t R, Scratch& s) {
+  const int64_t G = c.group, dq = c.dim_q, Q = dq / 4;
+  s.steps.assign(dq, 0.0f);
+  s.row_f.assign(dq, 0.0f);
+  for (int64_t g = 0; g < groups; g += SAMPLE_EVERY) {
+    bf16_row(params + g * 2 * dq + dq, dq, s.row_f.data());
+    for (int64_t d = 0; d < dq; ++d) s.steps[d] += s.row_f[d];
   }
-  for (; d < n; ++d) dst[d] = bf16_to_f32(src[d]);
+  s.importance.assign(Q, 0.0f);
+  for (int64_t j = 0; j < Q; ++j) {
+    float sum = 0.0f;
+    for (int64_t d = 4 * j; d < 4 * j + 4; ++d) {
+      float a = 0.0f;
+      for (int64_t h = 0; h < G; ++h) a += std::fabs(q[h * c.dim_pad + d]);
+      sum += a * s.steps[d];
+    }
+    s.importance[j] = sum;
+  }
+  s.quads.resize(Q);
+  for (int64_t j = 0; j < Q; ++j) s.quads[j] = static_cast<int32_t>(j);
+  const float* imp = s.importance.data();
+  std::stable_sort(s.quads.begin(), s.quads.end(), [imp](int32_t a, int32_t b) { return imp[a] > imp[b]; });
+  s.quads.resize(R);
+  std::sort(s.quads.begin(), s.quads.end());
+}
+
+// Group g's weights: w8 (G x 4R int8, chosen order), A[h], C[h] (see the top of this section). s.q_sel holds the
+// queries at the chosen channels (G x K floats, K = 4R rounded up to 8, zero past 4R).
+void group_weights(const Call& c, const float* q, const uint16_t* params, int64_t g, int64_t R, Scratch& s,
+                   float* A, float* C) {
+  const int64_t G = c.group, dq = c.dim_q, dim_pad = c.dim_pad, K = s.k_sel;
+  const uint16_t* mins = params + g * 2 * dq;
+  float* low = s.low.data();
+  float* step = s.step.data();
+  float* mid = s.mid.data();  // dim_pad floats, zero past dq
+  bf16_row(mins, dq, low);
+  bf16_row(mins + dq, dq, step);
+  for (int64_t d = 0; d < dq; ++d) mid[d] = low[d] + 1.5f * step[d];
+  float* step_sel = s.step_sel.data();  // K floats, zero past 4R
+  for (int64_t j = 0; j < R; ++j) std::memcpy(step_sel + 4 * j, step + 4 * s.quads[j], 4 * sizeof(float));
+  float* dmids = s.dmid.data();
+  for (int64_t h0 = 0; h0 < G; h0 += 4) {  // q_h . mid, four heads at a time (independent accumulators)
+    const int64_t n = std::min<int64_t>(4, G - h0);
+    if (n == 4) {
+      dots_lanes4(q + h0 * dim_pad, mid, dim_pad, dmids + h0);
+    } else {
+      for (int64_t h = h0; h < h0 + n; ++h) dmids[h] = dot_lanes(q + h * dim_pad, mid, dim_pad);
+    }
+  }
+  for (int64_t h = 0; h < G; ++h) {
+    const float dmid = dmids[h];
+    const float* qs = s.q_sel.data() + h * K;
+    float* w = s.w.data();
+    int8_t* w8 = s.w8.data() + h * 4 * R;
+    float top = 0.0f;
+    int32_t total = 0;
+#if defined(__AVX2__)
+    __m256 peak = _mm256_setzero_ps();
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int64_t k = 0; k < K; k += 8) {
+      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(qs + k), _mm256_loadu_ps(step_sel + k));
+      _mm256_storeu_ps(w + k, v);
+      peak = _mm256_max_ps(peak, _mm256_and_ps(v, magnitude));
+    }
+    __m128 p4 = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
+    p4 = _mm_max_ps(p4, _mm_movehl_ps(p4, p4));
+    top = _mm_cvtss_f32(_mm_max_ss(p4, _mm_shuffle_ps(p4, p4, 1)));  // max is exact in any order
+    const float sigma = top / 127.0f;
+    if (sigma > 0.0f) {
+      const __m256 inv = _mm256_set1_ps(1.0f / sigma);
+      __m256i sum = _mm256_setzero_si256();
+      for (int64_t k = 0; k < K; k += 8) {  // w8 holds 4R + 8 bytes: the 8 past 4R are scratch
+        const __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(w + k), inv));  // round to nearest even
+        sum = _mm256_add_epi32(sum, r);
+        const __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(w8 + k), _mm_packs_epi16(p16, p16));
+      }
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+      total = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1))));  // zero past 4R
+    } else {
+      std::memset(w8, 0, 4 * R);
+    }
 #else
-  for (int64_t d = 0; d < n; ++d) dst[d] = bf16_to_f32(src[d]);
+    for (int64_t k = 0; k < 4 * R; ++k) {
+      const float v = qs[k] * step_sel[k];
+      w[k] = v;
+      const float a = std::fabs(v);
+      top = top > a ? top : a;
+    }
+    const float sigma = top / 127.0f;
+    if (sigma > 0.0f) {
+      const float inv = 1.0f / sigma;
+      for (int64_t k = 0; k < 4 * R; ++k) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(w[k] * inv));
+        w8[k] = static_cast<int8_t>(v);
+        total += v;
+      }
+    } else {
+      std::memset(w8, 0, 4 * R);
+    }
+#endif
+    A[h] = c.scaling * sigma;
+    C[h] = c.scaling * (dmid - (1.5f * sigma) * static_cast<float>(total));
+  }
+}
+
+// out[t] = max_h fma(A[h], acc[h * 64 + t], B[h]) where the mask m[t] is set, -inf elsewhere (t < 64)
+void group_scores(int64_t G, const int32_t* acc, const float* A, const float* B, const uint8_t* m, float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  for (int64_t t = 0; t < GROUP; t += 8) {
+    __m256 best = _mm256_set1_ps(-INFINITY);
+    for (int64_t h = 0; h < G; ++h) {
+      const __m256 a = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + h * GROUP + t)));
+      best = _mm256_max_ps(best, _mm256_fmadd_ps(_mm256_set1_ps(A[h]), a, _mm256_set1_ps(B[h])));
+    }
+    const __m256i keep = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m + t)));
+    const __m256 hit = _mm256_castsi256_ps(_mm256_cmpgt_epi32(keep, _mm256_setzero_si256()));
+    _mm256_storeu_ps(out + t, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), best, hit));
+  }
+#else
+  for (int64_t t = 0; t < GROUP; ++t) {
+    float best = -INFINITY;
+    for (int64_t h = 0; h < G; ++h) {
+      const float v = std::fma(A[h], static_cast<float>(acc[h * GROUP + t]), B[h]);
+      best = best > v ? best : v;
+    }
+    out[t] = m[t] ? best : -INFINITY;
+  }
 #endif
 }
 
-// approximate scaled logits of every covered position, -inf where the mask is false: approx[h * covered + i],
-// i = position - group_first (m the mask from group_first on); peak[h] = the largest of head h's
-void scan_index(const Call& c, int64_t task, const float* q, int64_t groups, const uint8_t* m, Scratch& s,
-                float* peak) {
-  const int64_t G = c.group, dq = c.dim_q, covered = groups * GROUP, dim_pad = c.dim_pad;
+// score[i] for every covered position i = position - group_first (m: the mask from group_first on)
+void scan_index(const Call& c, int64_t task, const float* q, int64_t groups, const uint8_t* m, Scratch& s) {
+  const int64_t G = c.group, dq = c.dim_q, Q = dq / 4;
+  const int64_t R = std::max<int64_t>(1, std::min(c.quads, Q));
   const uint8_t* codes = reinterpret_cast<const uint8_t*>(c.codes_ptr[task]);
   const uint16_t* params = reinterpret_cast<const uint16_t*>(c.params_ptr[task]);
-  s.approx.resize(G * covered);
-  s.wq.resize(MAX_G * dq);
-  s.acc.resize(MAX_G * GROUP);
-  s.w.assign(dim_pad, 0.0f);
-  s.low.assign(dim_pad, 0.0f);
-  s.qh.assign(dim_pad, 0.0f);  // the steps, as floats
-  for (int64_t h = 0; h < G; ++h) peak[h] = -INFINITY;
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint16_t* mins = params + g * 2 * dq;
-    bf16_row(mins, dq, s.low.data());
-    bf16_row(mins + dq, dq, s.qh.data());
-    const uint8_t* gm = m + g * GROUP;
-    for (int64_t h0 = 0; h0 < G; h0 += MAX_G) {
-      const int gh = static_cast<int>(std::min<int64_t>(MAX_G, G - h0));
-      float sigma[MAX_G], bias[MAX_G];
-      for (int h = 0; h < gh; ++h)
-        sigma[h] = group_weights(q + (h0 + h) * dim_pad, s.qh.data(), s.low.data(), dim_pad, dq, s.w.data(),
-                                 &s.wq[h * dq], bias[h]);
-      scan_dispatch(gh, codes + g * 16 * dq, s.wq.data(), dq, s.acc.data());
-      for (int h = 0; h < gh; ++h) {
-        float* out = &s.approx[(h0 + h) * covered + g * GROUP];
-        const int32_t* a = &s.acc[h * GROUP];
-        const float sg = sigma[h], bs = bias[h];
-        float top = peak[h0 + h];
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-        const __m512 vs = _mm512_set1_ps(sg), vb = _mm512_set1_ps(bs), vc = _mm512_set1_ps(c.scaling);
-        const __m512 ninf = _mm512_set1_ps(-INFINITY);
-        __m512 vtop = ninf;
-        for (int64_t t = 0; t < GROUP; t += LANES) {
-          const __m512 prod = _mm512_mul_ps(vs, _mm512_cvtepi32_ps(_mm512_loadu_si512(a + t)));
-          const __m512 v = _mm512_mul_ps(vc, _mm512_add_ps(vb, prod));
-          const __mmask16 keep = _mm_test_epi8_mask(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gm + t)),
-                                                    _mm_set1_epi8(-1));
-          const __m512 r = _mm512_mask_blend_ps(keep, ninf, v);
-          _mm512_storeu_ps(out + t, r);
-          vtop = _mm512_max_ps(vtop, r);
-        }
-        const float gtop = _mm512_reduce_max_ps(vtop);
-        top = top > gtop ? top : gtop;
-#else
-        for (int64_t t = 0; t < GROUP; ++t) {
-          const float v = gm[t] ? c.scaling * (bs + sg * static_cast<float>(a[t])) : -INFINITY;
-          out[t] = v;
-          top = top > v ? top : v;
-        }
-#endif
-        peak[h0 + h] = top;
-      }
+  choose_quads(c, q, params, groups, R, s);
+  s.low.assign(dq, 0.0f);
+  s.step.assign(dq, 0.0f);
+  s.mid.assign(c.dim_pad, 0.0f);
+  s.k_sel = (4 * R + 7) / 8 * 8;
+  s.q_sel.assign(G * s.k_sel, 0.0f);
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t j = 0; j < R; ++j)
+      std::memcpy(&s.q_sel[h * s.k_sel + 4 * j], q + h * c.dim_pad + 4 * s.quads[j], 4 * sizeof(float));
+  s.step_sel.assign(s.k_sel, 0.0f);
+  s.dmid.resize(G);
+  s.w.assign(s.k_sel, 0.0f);
+  s.w8.assign(G * 4 * R + 8, 0);
+  // sampled groups: their integer sums, A and C are kept for the main pass
+  const int64_t sampled = (groups + SAMPLE_EVERY - 1) / SAMPLE_EVERY;
+  s.sample_acc.resize(sampled * G * GROUP);
+  s.sample_a.resize(sampled * G);
+  s.sample_c.resize(sampled * G);
+  s.logits.resize(sampled * G * GROUP);  // l_h(t), head-major: [h][sample][t]
+  for (int64_t i = 0; i < sampled; ++i) {
+    const int64_t g = i * SAMPLE_EVERY;
+    float* A = &s.sample_a[i * G];
+    float* C = &s.sample_c[i * G];
+    group_weights(c, q, params, g, R, s, A, C);
+    int32_t* acc = &s.sample_acc[i * G * GROUP];
+    scan_heads(G, codes + g * 16 * dq, s.quads.data(), R, s.w8.data(), acc);
+    for (int64_t h = 0; h < G; ++h)
+      group_scores(1, acc + h * GROUP, A + h, C + h, m + g * GROUP, &s.logits[(h * sampled + i) * GROUP]);
+  }
+  s.offset.resize(G);  // LZ_h
+  for (int64_t h = 0; h < G; ++h) {
+    float* l = &s.logits[h * sampled * GROUP];
+    const int64_t n = sampled * GROUP;
+    const float peak = max_lanes(l, n);
+    if (!(peak > -INFINITY)) {
+      s.offset[h] = 0.0f;
+      continue;
     }
+    for (int64_t i = 0; i < n; ++i) l[i] -= peak;
+    exp_nonpositive(l, n);
+    s.offset[h] = peak + static_cast<float>(std::log(static_cast<double>(sum_lanes(l, n))));
+  }
+  const int64_t covered = groups * GROUP;
+  s.score.resize(covered);
+  s.acc.resize(G * GROUP);
+  s.a_buf.resize(G);
+  s.b_buf.resize(G);
+  float* A = s.a_buf.data();
+  float* B = s.b_buf.data();
+  const int64_t params_bytes = 2 * dq * 2;
+  for (int64_t g = 0; g < groups; ++g) {
+    if (g + PREFETCH_GROUPS < groups) {  // the chosen codes and the parameters of a group ahead (scattered lines)
+      const int64_t ahead = g + PREFETCH_GROUPS;
+      const uint8_t* next = codes + ahead * 16 * dq;
+      for (int64_t j = 0; j < R; ++j) __builtin_prefetch(next + s.quads[j] * 64);
+      const char* p = reinterpret_cast<const char*>(params + ahead * 2 * dq);
+      for (int64_t off = 0; off < params_bytes; off += 64) __builtin_prefetch(p + off);
+    }
+    const int32_t* acc;
+    if (g % SAMPLE_EVERY == 0) {
+      const int64_t i = g / SAMPLE_EVERY;
+      acc = &s.sample_acc[i * G * GROUP];
+      for (int64_t h = 0; h < G; ++h) {
+        A[h] = s.sample_a[i * G + h];
+        B[h] = s.sample_c[i * G + h] - s.offset[h];
+      }
+    } else {
+      group_weights(c, q, params, g, R, s, A, B);
+      for (int64_t h = 0; h < G; ++h) B[h] -= s.offset[h];
+      scan_heads(G, codes + g * 16 * dq, s.quads.data(), R, s.w8.data(), s.acc.data());
+      acc = s.acc.data();
+    }
+    group_scores(G, acc, A, B, m + g * GROUP, &s.score[g * GROUP]);
   }
 }
+
 
 // --- one (sequence, KV head) -------------------------------------------------------------------------------
 void run_task(const Call& c, int64_t task, Scratch& s) {
@@ -660,23 +901,9 @@ void run_task(const Call& c, int64_t task, Scratch& s) {
     for (int64_t p = 0; p < std::min(first, end); ++p)
       if (mask[p]) s.positions.push_back(p);
     const uint8_t* m = mask + first;
-    s.peak.resize(G);
-    float* peak = s.peak.data();
-    scan_index(c, task, s.q.data(), groups, m, s, peak);
+    scan_index(c, task, s.q.data(), groups, m, s);
     int64_t usable = 0;
     for (int64_t i = 0; i < covered; ++i) usable += m[i];
-    s.score.resize(covered);
-    float* score = s.score.data();
-    const float* a0 = s.approx.data();
-    for (int64_t i = 0; i < covered; ++i) score[i] = a0[i] - peak[0];
-    for (int64_t h = 1; h < G; ++h) {
-      const float* a = a0 + h * covered;
-      const float p = peak[h];
-      for (int64_t i = 0; i < covered; ++i) {
-        const float v = a[i] - p;
-        score[i] = score[i] > v ? score[i] : v;
-      }
-    }
     top_m(s.score.data(), covered, std::min(c.shortlist, usable), s, s.chosen);
     std::sort(s.chosen.begin(), s.chosen.end());
     for (int64_t i : s.chosen) s.positions.push_back(first + i);
@@ -845,10 +1072,10 @@ void dc_release_scratch() {
 int dc_select(int64_t batch, int64_t kv_heads, int64_t group, int64_t dim, int key_type, const float* query,
               float scaling, int64_t end, const uint8_t* mask, int64_t n_segs, const int64_t* seg_start,
               const int64_t* seg_len, const int64_t* seg_ptr, const int64_t* codes_ptr, const int64_t* params_ptr,
-              const int64_t* group_first, const int64_t* n_groups, int64_t dim_q, int64_t shortlist,
-              int64_t budget, int64_t* out_indices, uint8_t* out_valid, int threads) {
+              const int64_t* group_first, const int64_t* n_groups, int64_t dim_q, int64_t quads,
+              int64_t shortlist, int64_t budget, int64_t* out_indices, uint8_t* out_valid, int threads) {
   Call c{batch, kv_heads, group, dim, (dim + LANES - 1) / LANES * LANES, key_type, query, scaling, end, mask,
-         n_segs, seg_start, seg_len, seg_ptr, codes_ptr, params_ptr, group_first, n_groups, dim_q, shortlist,
+         n_segs, seg_start, seg_len, seg_ptr, codes_ptr, params_ptr, group_first, n_groups, dim_q, quads, shortlist,
          budget, out_indices, out_valid};
   const int64_t tasks = batch * kv_heads;
   // a thread is started per call: only for work that outweighs starting it (the result never depends on it)

@@ -1,6 +1,11 @@
 """`selector="lowbit"`: a 2-bit copy of every key (the host index), scanned to shortlist positions that are then
 rescored exactly — both in one call of the native selection engine (`dual_cache.engine`).
 
+The scan reads the codes of `lowbit_channels` of the channels only (the quads with the largest `Σ_h |q_h| × step`
+this step; SparQ's query-magnitude channel choice, Ribar et al., 2024, §3, applied to the 2-bit copy), the others
+entering at each group's midpoint, and ranks positions by each head's approximate log-probability (its logit minus
+the log-sum-exp over a sample of groups).
+
 Per sequence, keys are quantized per channel over groups of 64 consecutive positions starting at its first real
 token (so left padding never changes them): a bfloat16 minimum and step per (group, channel) and a 2-bit code per
 key element (`engine/codes.py`, KIVI's key layout, Liu et al., 2024, §3). A step scans the codes of every complete
@@ -12,6 +17,8 @@ selectable range grows (prefill chunks, then decode steps). Host bytes: `D/4 + D
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -42,6 +49,10 @@ class LowBitSelector(Selector):
                 or config.lowbit_factor < 1:
             raise ValueError(f"`lowbit_factor` must be an int >= 1 (positions rescored exactly per KV head, as a "
                              f"multiple of the budget), got {config.lowbit_factor!r}.")
+        channels = config.lowbit_channels
+        if isinstance(channels, bool) or not isinstance(channels, (int, float)) or not 0 < channels <= 1:
+            raise ValueError(f"`lowbit_channels` must be a fraction in (0, 1] (share of the key channels the 2-bit "
+                             f"scan reads), got {channels!r}.")
 
     @classmethod
     def host_bytes_for(cls, config, tokens: int, kv_heads: int, head_dim: int, element_size: int) -> int:
@@ -51,6 +62,11 @@ class LowBitSelector(Selector):
     @property
     def shortlisted(self) -> int:
         return self.config.lowbit_factor * self.budget
+
+    @property
+    def quads(self) -> int:
+        """Channel quads the scan reads per KV head: `ceil(lowbit_channels × D_q / 4)`."""
+        return max(1, math.ceil(self.config.lowbit_channels * self.dim_q / 4 - 1e-9))
 
     def _ensure_capacity(self, groups: int) -> None:
         have = 0 if self.packed is None else self.packed.shape[2]
@@ -115,7 +131,7 @@ class LowBitSelector(Selector):
         groups = end // GROUP
         if self.shortlisted >= groups * GROUP:
             return super().key_bytes_read(end)
-        scanned = kv_heads * groups * self.dim_q * (16 + 4)
+        scanned = kv_heads * groups * (self.quads * 64 + self.dim_q * 4)  # chosen quads' codes; every parameter
         return scanned, kv_heads * (self.shortlisted + end - groups * GROUP) * dim * element
 
     def select(self, query: torch.Tensor, candidates: Candidates, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +145,7 @@ class LowBitSelector(Selector):
             groups = torch.tensor(self.n_groups[rows], dtype=torch.long)
             index = engine.IndexView(self.packed[rows], self.params[rows], first.clamp(min=0), groups)
         return engine.select(query.float().contiguous(), candidates.mask, keys, self.budget, scaling, index,
-                             self.shortlisted)
+                             self.shortlisted, self.quads)
 
     @property
     def host_bytes(self) -> int:
