@@ -169,29 +169,6 @@ inline float dot_lanes(const float* a, const float* b, int64_t dim_pad) {
 #endif
 }
 
-// dot_lanes of four rows of q (stride dim_pad) with one row b, computed together
-inline void dots_lanes4(const float* q, const float* b, int64_t dim_pad, float* out) {
-#if defined(__AVX2__) && defined(__FMA__)
-  __m256 lo[4], hi[4];
-  for (int h = 0; h < 4; ++h) lo[h] = hi[h] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < dim_pad; d += LANES) {
-    const __m256 b0 = _mm256_loadu_ps(b + d), b1 = _mm256_loadu_ps(b + d + 8);
-    for (int h = 0; h < 4; ++h) {
-      lo[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * dim_pad + d), b0, lo[h]);
-      hi[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * dim_pad + d + 8), b1, hi[h]);
-    }
-  }
-  alignas(32) float acc[LANES];
-  for (int h = 0; h < 4; ++h) {
-    _mm256_store_ps(acc, lo[h]);
-    _mm256_store_ps(acc + 8, hi[h]);
-    out[h] = tree_sum(acc);
-  }
-#else
-  for (int h = 0; h < 4; ++h) out[h] = dot_lanes(q + h * dim_pad, b, dim_pad);
-#endif
-}
-
 // the G dots of one key row with G query rows (stride dim_pad), each summed exactly as dot_lanes
 template <int G>
 inline void dots_lanes(const float* q, const float* row, int64_t dim_pad, float scaling, float* out, int64_t stride) {
@@ -313,28 +290,6 @@ inline bool simd_block_logits(const void* const* rows, int key_type, const float
 #undef DC_BLOCK
 }
 
-template <int KT>
-inline void heads_logits(const void* row, const float* q, int64_t g, int64_t dim, int64_t dim_pad, float scaling,
-                         float* out, int64_t stride) {
-  for (int64_t h0 = 0; h0 < g; h0 += 4) {
-    const float* qh = q + h0 * dim_pad;
-    float* o = out + h0 * stride;
-    switch (std::min<int64_t>(4, g - h0)) {
-      case 1: row_logits<1, KT>(row, qh, dim, dim_pad, scaling, o, stride); break;
-      case 2: row_logits<2, KT>(row, qh, dim, dim_pad, scaling, o, stride); break;
-      case 3: row_logits<3, KT>(row, qh, dim, dim_pad, scaling, o, stride); break;
-      default: row_logits<4, KT>(row, qh, dim, dim_pad, scaling, o, stride); break;
-    }
-  }
-}
-
-inline bool simd_logits(const void* row, int key_type, const float* q, int64_t g, int64_t dim, int64_t dim_pad,
-                        float scaling, float* out, int64_t stride) {
-  if (key_type == BF16) heads_logits<BF16>(row, q, g, dim, dim_pad, scaling, out, stride);
-  else if (key_type == F32) heads_logits<F32>(row, q, g, dim, dim_pad, scaling, out, stride);
-  else heads_logits<F16>(row, q, g, dim, dim_pad, scaling, out, stride);
-  return true;
-}
 #elif defined(__AVX2__) && defined(__FMA__)
 // The AVX-512 path's arithmetic with 16 lanes held in two 8-lane registers (lanes 0-7 and 8-15).
 inline float tree_sum8x2(__m256 lo, __m256 hi) {
@@ -378,6 +333,15 @@ inline void row_logits(const void* row, const float* q, int64_t dim, int64_t dim
   for (int h = 0; h < G; ++h) out[h * stride] = scaling * tree_sum8x2(lo[h], hi[h]);
 }
 
+
+inline bool simd_block_logits(const void* const*, int, const float*, int64_t, int64_t, int64_t, float, float*,
+                              int64_t) {
+  return false;
+}
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// the G heads' logits of one row, four heads per row_logits call (row_logits: this build's SIMD width)
 template <int KT>
 inline void heads_logits(const void* row, const float* q, int64_t g, int64_t dim, int64_t dim_pad, float scaling,
                          float* out, int64_t stride) {
@@ -399,11 +363,6 @@ inline bool simd_logits(const void* row, int key_type, const float* q, int64_t g
   else if (key_type == F32) heads_logits<F32>(row, q, g, dim, dim_pad, scaling, out, stride);
   else heads_logits<F16>(row, q, g, dim, dim_pad, scaling, out, stride);
   return true;
-}
-
-inline bool simd_block_logits(const void* const*, int, const float*, int64_t, int64_t, int64_t, float, float*,
-                              int64_t) {
-  return false;
 }
 #else
 inline bool simd_logits(const void*, int, const float*, int64_t, int64_t, int64_t, float, float*, int64_t) {
@@ -709,15 +668,8 @@ void group_weights(const Call& c, const float* q, const uint16_t* params, int64_
   for (int64_t d = 0; d < dq; ++d) mid[d] = low[d] + 1.5f * step[d];
   float* step_sel = s.step_sel.data();  // K floats, zero past 4R
   for (int64_t j = 0; j < R; ++j) std::memcpy(step_sel + 4 * j, step + 4 * s.quads[j], 4 * sizeof(float));
-  float* dmids = s.dmid.data();
-  for (int64_t h0 = 0; h0 < G; h0 += 4) {  // q_h . mid, four heads at a time (independent accumulators)
-    const int64_t n = std::min<int64_t>(4, G - h0);
-    if (n == 4) {
-      dots_lanes4(q + h0 * dim_pad, mid, dim_pad, dmids + h0);
-    } else {
-      for (int64_t h = h0; h < h0 + n; ++h) dmids[h] = dot_lanes(q + h * dim_pad, mid, dim_pad);
-    }
-  }
+  float* dmids = s.dmid.data();  // q_h . mid, each summed as dot_lanes
+  dots_dispatch(G, q, mid, dim_pad, 1.0f, dmids, 1);
   for (int64_t h = 0; h < G; ++h) {
     const float dmid = dmids[h];
     const float* qs = s.q_sel.data() + h * K;
