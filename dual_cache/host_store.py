@@ -264,7 +264,13 @@ class HostKVStore:
         """Views of the keys of positions `[0, hi)`, one `(b, H_kv, n_i, D)` view per chunk (no copy): `b` is the
         store's batch, or `rows`' length when given, or 1 for the chunks of a shared prefix (`share`), which hold
         every row's keys once."""
-        views = self._views(0, hi)
+        return self._rows(self._views(0, hi), rows)
+
+    def value_chunks(self, hi: int, rows: slice | None = None) -> list[torch.Tensor]:
+        """The values of positions `[0, hi)`, chunk by chunk as `key_chunks`."""
+        return self._rows(self._views(1, hi), rows)
+
+    def _rows(self, views: list[torch.Tensor], rows: slice | None) -> list[torch.Tensor]:
         if rows is None:
             return views
         return [view if view.shape[0] == 1 and self.shared_length else view[rows] for view in views]
@@ -297,18 +303,22 @@ class HostKVStore:
         values = torch.cat([view.expand(batch, *view.shape[1:]) for view in self._views(1, hi)], dim=2)[:, :, lo:]
         return keys, values
 
-    def gather(self, indices: torch.Tensor, out: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, indices: torch.Tensor, out: Sequence[torch.Tensor] | None = None,
+               first_sequence: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at `indices` (B, H_kv, k) int64 positions `< length`.
 
         Args:
             out: optional contiguous `(keys, values)` `(B, H_kv, k, D)` host tensors to write into (e.g. a staging
                 buffer).
+            first_sequence: the `B` rows of `indices` are the store's sequences `first_sequence, …` (ValueError if
+                they lie outside its batch).
 
         Returns:
             `(keys, values)`, each `(B, H_kv, k, D)`.
         """
         out_keys, out_values = out if out is not None else (None, None)
-        return self._gather(0, indices, out_keys), self._gather(1, indices, out_values)
+        first = self.first_row(first_sequence, indices.shape[0])
+        return self._gather(0, indices, out_keys, first), self._gather(1, indices, out_values, first)
 
     def gather_keys(self, indices: torch.Tensor, first_sequence: int = 0,
                     out: torch.Tensor | None = None) -> torch.Tensor:

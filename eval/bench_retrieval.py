@@ -105,9 +105,9 @@ def measure(context: int, batch: int, selector_name: str, pool: int, args: argpa
         if selector_name == TORCH_EXACT:
             keys = stores[layer].key_chunks(candidates.end)
             indices, _ = torch_select(query, keys, candidates.mask, args.budget, scaling)
-        else:
-            indices, _ = selectors[layer].select(query, candidates, scaling)
-        stores[layer].gather(indices, out=staging[layer])
+            stores[layer].gather(indices, out=staging[layer])
+        else:  # selection and the gather of the chosen K/V (one engine call for the engine's selectors)
+            selectors[layer].select_into(query, candidates, scaling, staging[layer])
 
     executor = ThreadPoolExecutor(max_workers=pool, initializer=torch.set_num_threads if pool > 1 else None,
                                   initargs=(1,) if pool > 1 else ())

@@ -244,3 +244,56 @@ def test_the_scan_reads_only_the_chosen_channel_quads():
                                engine.IndexView(scrambled.view_as(index.packed), index.params, index.group_first,
                                                 index.n_groups), 64)
     assert not torch.equal(full_before[0], full_after[0])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_gather_in_the_select_call_copies_the_rows_of_the_selection(variant, shared):
+    """K/V written by the engine's gather equal the reference gather (`HostKVStore.gather`'s rows) of the indices
+    it returns, invalid slots (position 0) included, for chunked and shared-prefix key/value chunks."""
+    query, mask, keys, index = _problem(21, 3, 2, 2, 40, 700, torch.bfloat16, shared=shared)
+    gen = torch.Generator().manual_seed(22)
+    values = [torch.randn(chunk.shape, generator=gen).to(chunk.dtype) for chunk in keys]
+    library = native.library(variant)
+    for budget, with_index in [(16, False), (16, True), (900, False)]:  # 900: more slots than candidates
+        view = (index.packed, index.params, index.group_first, index.usable(mask.shape[1])) if with_index else None
+        out = tuple(torch.full((3, 2, budget, 40), float("nan"), dtype=torch.bfloat16) for _ in range(2))
+        indices, valid = engine._native_select(library, query, mask, keys, budget, 0.2, view, 64, 2, None, values,
+                                               out)
+        expected = tuple(torch.empty_like(o) for o in out)
+        reference.gather(keys, indices, expected[0])
+        reference.gather(values, indices, expected[1])
+        assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])
+        assert torch.equal((indices, valid)[0], reference.select(query, mask, keys, budget, 0.2, view, 64)[0])
+
+
+@pytest.mark.parametrize("name", ["exact", "lowbit"])
+def test_select_into_fills_the_staging_buffer_as_select_then_gather(name):
+    store = HostKVStore(3, 2, 16, torch.bfloat16, chunk_tokens=128)
+    gen = torch.Generator().manual_seed(7)
+    for lo in range(0, 700, 97):  # across chunk boundaries; values differ from keys
+        size = min(97, 700 - lo)
+        store.append(torch.randn(3, 2, size, 16, generator=gen).bfloat16(),
+                     torch.randn(3, 2, size, 16, generator=gen).bfloat16())
+    config = DualDecoderConfig(selector=name, lowbit_factor=2)
+    selector = SELECTORS[name](config, 24, store, "cpu")
+    query = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(8))
+    mask = torch.ones(2, 650, dtype=torch.bool)
+    candidates = Candidates(mask, torch.zeros(2, dtype=torch.long), first_sequence=1)  # sequences 1 and 2
+    out = tuple(torch.empty(2, 2, 24, 16, dtype=torch.bfloat16) for _ in range(2))
+    indices, valid = selector.select_into(query, candidates, 0.25, out)
+    expected_indices, expected_valid = selector.select(query, candidates, 0.25)
+    keys, values = store.gather(expected_indices, first_sequence=1)
+    assert torch.equal(indices, expected_indices) and torch.equal(valid, expected_valid)
+    assert torch.equal(out[0], keys) and torch.equal(out[1], values)
+    with pytest.raises(ValueError, match="out"):
+        selector.select_into(query, candidates, 0.25, (out[0], out[1][:, :, :8]))
+
+
+def test_a_long_scan_uses_a_sparser_threshold_sample_and_selects_what_the_reference_selects():
+    query, mask, keys, index = _problem(31, 1, 1, 4, 16, 70000, torch.bfloat16, chunks=2)  # > 32K positions
+    view = (index.packed, index.params, index.group_first, index.usable(mask.shape[1]))
+    for variant in VARIANTS:
+        got = engine._native_select(native.library(variant), query, mask, keys, 64, 0.25, view, 512, 1, 2)
+        expected = reference.select(query, mask, keys, 64, 0.25, view, 512, 2)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])

@@ -44,8 +44,10 @@ class IndexView:
 
 def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor], budget: int, scaling: float,
            index: IndexView | None = None, shortlist: int = 0, quads: int | None = None,
-           threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-`budget` positions per (sequence, KV head) by group attention mass, optionally among a shortlist.
+           threads: int | None = None, values: Sequence[torch.Tensor] | None = None,
+           out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-`budget` positions per (sequence, KV head) by group attention mass, optionally among a shortlist, and
+    optionally the gather of the selected keys and values into `out` in the same call.
 
     Without `index` every candidate is scored exactly ("exact"). With it, a scan of the 2-bit codes of `quads`
     channel quads (the rest enter at each group's midpoint) shortlists `shortlist` positions per (sequence, KV
@@ -62,6 +64,10 @@ def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor]
         shortlist: positions the scan keeps per (sequence, KV head).
         quads: channel quads (4 channels each) the scan reads, 1 .. `padded_dim(D) / 4`; None: all of them.
         threads: host threads (default `torch.get_num_threads()`); the result does not depend on it.
+        values: the value chunks matching `keys` (same shapes and dtype), to gather with `out`.
+        out: `(keys_out, values_out)`, each `(b, H_kv, budget, D)` contiguous in the keys' dtype: filled with the
+            rows at the returned indices (an invalid slot gets position 0's rows, as `HostKVStore.gather` of the
+            indices would).
 
     Returns:
         `(indices, valid)`, both `(b, H_kv, budget)`: int64 positions, ascending where valid (0 elsewhere), bool.
@@ -71,6 +77,10 @@ def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor]
     """
     batch, q_heads, dim = query.shape
     kv_heads = keys[0].shape[1]
+    if (values is None) != (out is None):
+        raise ValueError("select gathers with both `values` and `out`, or neither.")
+    if values is not None:
+        _check_gather(keys, values, out, (batch, kv_heads, budget, dim))
     if query.dtype != torch.float32 or q_heads % kv_heads or mask.shape[0] != batch or mask.dtype != torch.bool:
         raise ValueError(f"select needs float32 queries (b, H_q, D) with H_q a multiple of H_kv={kv_heads} and a "
                          f"(b, end) bool mask; got query {tuple(query.shape)} {query.dtype}, mask "
@@ -91,9 +101,25 @@ def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor]
         view = (index.packed, index.params, index.group_first, index.usable(end))
     library = native.library()
     if library is None or budget == 0 or end == 0:
-        return reference.select(query, mask, keys, budget, scaling, view, shortlist, quads)
+        indices, valid = reference.select(query, mask, keys, budget, scaling, view, shortlist, quads)
+        if out is not None:
+            reference.gather(keys, indices, out[0])
+            reference.gather(values, indices, out[1])
+        return indices, valid
     return _native_select(library, query.contiguous(), mask.contiguous(), keys, budget, scaling, view, shortlist,
-                          torch.get_num_threads() if threads is None else threads, quads)
+                          torch.get_num_threads() if threads is None else threads, quads, values, out)
+
+
+def _check_gather(keys, values, out, shape) -> None:
+    """ValueError unless `values` match `keys` chunk by chunk and `out` holds two contiguous `shape` tensors of the
+    keys' dtype."""
+    if len(values) != len(keys) or any(v.shape != k.shape or v.dtype != k.dtype or v.stride(-1) != 1
+                                       or v.stride(-2) != v.shape[-1] for k, v in zip(keys, values)):
+        raise ValueError("select's `values` must match `keys` chunk by chunk (shapes, dtype, contiguous rows).")
+    if len(out) != 2 or any(o.shape != shape or o.dtype != keys[0].dtype or not o.is_contiguous()
+                            or o.device.type != "cpu" for o in out):
+        raise ValueError(f"select's `out` must be two contiguous host tensors of shape {shape} and dtype "
+                         f"{keys[0].dtype}.")
 
 
 def _int64s(values: list[int]):
@@ -101,20 +127,35 @@ def _int64s(values: list[int]):
     return (ctypes.c_int64 * len(values))(*values)
 
 
-def _native_select(library, query, mask, keys, budget, scaling, view, shortlist, threads, quads=None):
+def _segment_rows(chunks, batch: int, kv_heads: int) -> list[list[int]]:
+    """Per chunk, the address of each (sequence, KV head)'s first row (a chunk of batch 1 serves every sequence)."""
+    element = chunks[0].element_size()
+    rows = []
+    for chunk in chunks:
+        base, s0, s1 = chunk.data_ptr(), chunk.stride(0) * element, chunk.stride(1) * element
+        shared = chunk.shape[0] == 1
+        rows.append([base + (0 if shared else b * s0) + h * s1 for b in range(batch) for h in range(kv_heads)])
+    return rows
+
+
+def _native_select(library, query, mask, keys, budget, scaling, view, shortlist, threads, quads=None, values=None,
+                   out=None):
     batch, q_heads, dim = query.shape
     kv_heads = keys[0].shape[1]
-    element = keys[0].element_size()
-    starts, lengths, rows = [], [], []  # rows: per chunk, the address of each (sequence, KV head)'s first key row
+    starts, lengths = [], []
     start = 0
     for chunk in keys:
         starts.append(start)
         lengths.append(chunk.shape[2])
         start += chunk.shape[2]
-        base, s0, s1 = chunk.data_ptr(), chunk.stride(0) * element, chunk.stride(1) * element
-        shared = chunk.shape[0] == 1  # a chunk of batch 1: every sequence reads its row 0
-        rows.append([base + (0 if shared else b * s0) + h * s1 for b in range(batch) for h in range(kv_heads)])
-    seg_ptr = _int64s([row[task] for task in range(batch * kv_heads) for row in rows])  # (B·H_kv, chunks)
+    tasks = range(batch * kv_heads)
+    rows = _segment_rows(keys, batch, kv_heads)
+    seg_ptr = _int64s([row[task] for task in tasks for row in rows])  # (B·H_kv, chunks)
+    value_ptr = out_keys = out_values = None
+    if values is not None:
+        value_rows = _segment_rows(values, batch, kv_heads)
+        value_ptr = _int64s([row[task] for task in tasks for row in value_rows])
+        out_keys, out_values = out[0].data_ptr(), out[1].data_ptr()
     indices = torch.empty(batch, kv_heads, budget, dtype=torch.long)
     valid = torch.empty(batch, kv_heads, budget, dtype=torch.bool)
     codes_ptr = params_ptr = group_first = n_groups = None
@@ -131,7 +172,7 @@ def _native_select(library, query, mask, keys, budget, scaling, view, shortlist,
         batch, kv_heads, q_heads // kv_heads, dim, KEY_TYPES[keys[0].dtype], query.data_ptr(), scaling,
         mask.shape[1], mask.data_ptr(), len(keys), _int64s(starts), _int64s(lengths), seg_ptr, codes_ptr,
         params_ptr, group_first, n_groups, dim_q, quads, shortlist, budget, indices.data_ptr(), valid.data_ptr(),
-        max(1, threads))
+        value_ptr, out_keys, out_values, max(1, threads))
     if status != 0:
         raise MemoryError("The native selection engine could not allocate its scratch memory.")
     return indices, valid

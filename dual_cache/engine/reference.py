@@ -179,6 +179,18 @@ def scan_scores(query: torch.Tensor, packed: torch.Tensor, params: torch.Tensor,
     return torch.where(keep[:, 0], score, ninf).flatten()
 
 
+def gather(chunks: Sequence[torch.Tensor], indices: torch.Tensor, out: torch.Tensor) -> None:
+    """`out[b, h, i] = row indices[b, h, i]` of the chunks (keys or values) laid end to end, as the engine's gather.
+
+    Args:
+        chunks: `(b or 1, H_kv, n_i, D)` each (a chunk of batch 1 serves every sequence); indices: `(b, H_kv, k)`
+            int64 positions; out: `(b, H_kv, k, D)`, written in place.
+    """
+    batch = indices.shape[0]
+    rows = torch.cat([chunk.expand(batch, -1, -1, -1) for chunk in chunks], dim=2)
+    out.copy_(torch.gather(rows, 2, indices[..., None].expand(-1, -1, -1, rows.shape[-1])))
+
+
 def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor], budget: int, scaling: float,
            index: tuple | None = None, shortlist: int = 0,
            quads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

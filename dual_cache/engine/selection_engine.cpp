@@ -71,6 +71,10 @@ struct Call {
   int64_t budget;
   int64_t* out_indices;  // (batch, kv_heads, budget)
   uint8_t* out_valid;    // (batch, kv_heads, budget)
+  // optional gather of the selected K/V rows (value_ptr == nullptr: none)
+  const int64_t* value_ptr;  // (batch * kv_heads, n_segs) address of the task's first value row in the segment
+  char* out_keys;            // (batch, kv_heads, budget, dim) of the key type
+  char* out_values;          // (batch, kv_heads, budget, dim)
 };
 
 struct Scratch {
@@ -80,7 +84,7 @@ struct Scratch {
   std::vector<int32_t> hist, kept_index;
   // the index scan
   std::vector<float> steps, row_f, importance, low, step, mid, w, sample_a, sample_c, offset, a_buf, b_buf, q_sel,
-      step_sel, dmid;
+      step_sel, dmid, tops, sigmas;
   int64_t k_sel = 0;
   std::vector<int32_t> quads, acc, sample_acc;
   std::vector<int8_t> w8;
@@ -105,7 +109,8 @@ void give_scratch(std::unique_ptr<Scratch> s) {
 }
 
 // --- exact logits -----------------------------------------------------------------------------------------
-const void* key_row(const Call& c, int64_t task, int64_t pos, int64_t& seg_hint) {
+// the row of position `pos` of a task in a table of segment addresses (keys: c.seg_ptr, values: c.value_ptr)
+const void* row_at(const Call& c, const int64_t* table, int64_t task, int64_t pos, int64_t& seg_hint) {
   int64_t s = seg_hint;
   if (s >= c.n_segs || pos < c.seg_start[s] || pos >= c.seg_start[s] + c.seg_len[s]) {
     s = 0;
@@ -113,8 +118,12 @@ const void* key_row(const Call& c, int64_t task, int64_t pos, int64_t& seg_hint)
     seg_hint = s;
   }
   const int64_t elem = c.key_type == F32 ? 4 : 2;
-  const char* base = reinterpret_cast<const char*>(c.seg_ptr[task * c.n_segs + s]);
+  const char* base = reinterpret_cast<const char*>(table[task * c.n_segs + s]);
   return base + (pos - c.seg_start[s]) * c.dim * elem;
+}
+
+inline const void* key_row(const Call& c, int64_t task, int64_t pos, int64_t& seg_hint) {
+  return row_at(c, c.seg_ptr, task, pos, seg_hint);
 }
 
 void to_float(const void* src, int key_type, int64_t dim, float* dst) {
@@ -447,10 +456,24 @@ inline uint32_t order_key(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// indices (into [0, n)) of the m best scores, in no particular order; ties broken by lower index (the positions
-// are ascending). Radix selection on the order-preserving integer image of the scores: 11 bits per pass, each pass
-// over the elements that share the boundary prefix only.
+// indices (into [0, n)) of the m best scores, ascending; ties broken by lower index (the positions
+// are ascending). Radix selection on the order-preserving integer image of the scores (11 bits per pass, each pass
+// over the elements that share the boundary prefix only), then one ordered sweep.
 void radix_top_m(const float* score, int64_t n, int64_t m, Scratch& s, std::vector<int64_t>& out);
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+struct CompressTable {  // lanes[mask]: the set lanes of the 8-bit mask in ascending order, then zeros
+  alignas(32) int32_t lanes[256][8];
+  CompressTable() {
+    for (int mask = 0; mask < 256; ++mask) {
+      int k = 0;
+      for (int lane = 0; lane < 8; ++lane)
+        if (mask >> lane & 1) lanes[mask][k++] = lane;
+      while (k < 8) lanes[mask][k++] = 0;
+    }
+  }
+};
+#endif
 
 // the scores >= threshold and their indices, ascending, into s.kept_score / s.kept_index; returns their count
 int64_t keep_at_least(const float* score, int64_t n, float threshold, Scratch& s) {
@@ -472,15 +495,19 @@ int64_t keep_at_least(const float* score, int64_t n, float threshold, Scratch& s
     count += __builtin_popcount(hit);
   }
 #elif defined(__AVX2__)
+  // branch-free compress: the hit mask picks a lane permutation that moves the hits to the front
+  static const CompressTable table;
   const __m256 th = _mm256_set1_ps(threshold);
+  __m256i index = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+  const __m256i eight = _mm256_set1_epi32(8);
   for (; i + 8 <= n; i += 8) {
-    unsigned hit = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(score + i), th, _CMP_GE_OQ)));
-    while (hit) {
-      const int j = __builtin_ctz(hit);
-      ks[count] = score[i + j];
-      ki[count++] = static_cast<int32_t>(i + j);
-      hit &= hit - 1;
-    }
+    const __m256 v = _mm256_loadu_ps(score + i);
+    const unsigned hit = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(v, th, _CMP_GE_OQ)));
+    const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(table.lanes[hit]));
+    _mm256_storeu_ps(ks + count, _mm256_permutevar8x32_ps(v, perm));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ki + count), _mm256_permutevar8x32_epi32(index, perm));
+    count += __builtin_popcount(hit);
+    index = _mm256_add_epi32(index, eight);
   }
 #endif
   for (; i < n; ++i)
@@ -491,13 +518,17 @@ int64_t keep_at_least(const float* score, int64_t n, float threshold, Scratch& s
   return count;
 }
 
+// indices of the m best scores, ascending (radix_top_m, after a sampled threshold filter on long inputs)
 void top_m(const float* score, int64_t n, int64_t m, Scratch& s, std::vector<int64_t>& out) {
   if (n >= 8192 && m > 0 && m * 8 <= n) {
-    // Most positions lose: a threshold from every 16th score keeps ~1.5 m of them, then the exact selection runs
-    // on those (every score at or above the threshold is kept, so when at least m are, the result is the same).
+    // Most positions lose: a threshold from a strided sample (every 16th score, at most ~2K of them) keeps ~1.5 m
+    // of them, then the exact selection runs on those (every score at or above the threshold is kept, so when at
+    // least m are, the result is the same).
+    const int64_t stride = std::max<int64_t>(16, n / 2048);
     s.sample.clear();
-    for (int64_t i = 0; i < n; i += 16) s.sample.push_back(score[i]);
-    const int64_t rank = std::min<int64_t>(static_cast<int64_t>(s.sample.size()) - 1, m * 3 / 32 + 8);
+    for (int64_t i = 0; i < n; i += stride) s.sample.push_back(score[i]);
+    const int64_t count = static_cast<int64_t>(s.sample.size());
+    const int64_t rank = std::min<int64_t>(count - 1, m * 3 * count / (2 * n) + 8);
     std::nth_element(s.sample.begin(), s.sample.begin() + rank, s.sample.end(), std::greater<float>());
     const float threshold = s.sample[rank];
     const int64_t kept = keep_at_least(score, n, threshold, s);
@@ -518,35 +549,58 @@ void radix_top_m(const float* score, int64_t n, int64_t m, Scratch& s, std::vect
   }
   if (m <= 0) return;
   s.keys.resize(n);
-  for (int64_t i = 0; i < n; ++i) s.keys[i] = order_key(score[i]);
-  std::vector<int64_t>& boundary = s.pick_boundary;
-  boundary.clear();
+  uint32_t* keys = s.keys.data();
+  uint32_t kmin = ~0u, kmax = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    keys[i] = order_key(score[i]);
+    kmin = std::min(kmin, keys[i]);
+    kmax = std::max(kmax, keys[i]);
+  }
+  // Find the boundary: the top bits `prefix` (under `mask`) of the m-th largest key, and how many of the keys that
+  // share them are taken (`need`); keys whose top bits are larger are all taken. The bits above the highest one
+  // that differs between the keys are shared by all; the digits (11 bits at most) start below them.
+  const int top = kmin == kmax ? -1 : 31 - __builtin_clz(kmin ^ kmax);
+  uint32_t mask = top < 0 ? ~0u : ~((2u << top) - 1u);  // top == 31: 2u << 31 wraps to 0, mask 0
+  uint32_t prefix = kmin & mask;
   int64_t need = m;
-  bool all = true;  // the boundary set is every element (first pass)
-  const int shifts[3] = {21, 10, 0}, widths[3] = {11, 11, 10};
-  for (int pass = 0; pass < 3; ++pass) {
-    const int shift = shifts[pass], bits = widths[pass];
-    const uint32_t bins = 1u << bits, low = bins - 1;
-    s.hist.assign(bins, 0);
-    const int64_t count = all ? n : static_cast<int64_t>(boundary.size());
-    for (int64_t j = 0; j < count; ++j) ++s.hist[(s.keys[all ? j : boundary[j]] >> shift) & low];
+  std::vector<int64_t>& boundary = s.pick_boundary;  // indices whose bits under mask equal prefix (ascending)
+  bool first = true;
+  for (int hi = top + 1; hi > 0;) {
+    const int width = std::min(hi, 11), shift = hi - width;
+    const uint32_t low = (1u << width) - 1;
+    s.hist.assign(low + 1, 0);
+    int32_t* hist = s.hist.data();
+    const int64_t count = first ? n : static_cast<int64_t>(boundary.size());
+    if (first)
+      for (int64_t i = 0; i < n; ++i) ++hist[(keys[i] >> shift) & low];
+    else
+      for (int64_t j = 0; j < count; ++j) ++hist[(keys[boundary[j]] >> shift) & low];
     int64_t above = 0;
     uint32_t bin = low;
-    while (above + s.hist[bin] < need) above += s.hist[bin--];
+    while (above + hist[bin] < need) above += hist[bin--];
+    need -= above;
+    prefix |= bin << shift;
+    mask |= low << shift;
     s.next.clear();
-    for (int64_t j = 0; j < count; ++j) {
-      const int64_t i = all ? j : boundary[j];
-      const uint32_t b = (s.keys[i] >> shift) & low;
-      if (b > bin) out.push_back(i);
-      else if (b == bin) s.next.push_back(i);
+    if (first) {
+      for (int64_t i = 0; i < n; ++i)
+        if ((keys[i] & mask) == prefix) s.next.push_back(i);
+    } else {
+      for (int64_t j = 0; j < count; ++j)
+        if ((keys[boundary[j]] & mask) == prefix) s.next.push_back(boundary[j]);
     }
     boundary.swap(s.next);
-    all = false;
-    need -= above;
-    if (need == static_cast<int64_t>(boundary.size())) break;
+    first = false;
+    hi = shift;
+    if (need == static_cast<int64_t>(boundary.size())) break;  // the whole boundary bin is taken
   }
-  // equal keys (or the whole boundary bin): the lowest indices first (boundary holds ascending indices)
-  for (int64_t j = 0; j < need; ++j) out.push_back(boundary[j]);
+  // one ordered sweep: every key above the boundary, and the first `need` on it (ties: the lowest indices)
+  out.reserve(m);
+  int64_t ties = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = keys[i] & mask;
+    if (bits > prefix || (bits == prefix && ties++ < need)) out.push_back(i);
+  }
 }
 
 // --- 2-bit index scan over a subset of channel quads ------------------------------------------------------------
@@ -613,6 +667,67 @@ void scan_quads(const uint8_t* codes, const int32_t* quads, int64_t R, const int
 #endif
 }
 
+#if defined(__AVX2__)
+// scan_quads<4> with its inner loop written out: gcc keeps the eight 16-bit accumulators of the intrinsic version
+// in registers only by copying each one after every add (and spills two), which costs more than the dot products;
+// here the loop is the 25 instructions it needs. Same integers as scan_quads<4>.
+void scan_quads4(const uint8_t* codes, const int32_t* quads, int64_t R, const int8_t* w8, int32_t* acc) {
+  const __m256i shift_lo = _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0);
+  const __m256i shift_hi = _mm256_set_epi32(6, 6, 6, 6, 4, 4, 4, 4);
+  const __m256i low2 = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+  const int64_t stride = 4 * R, stride3 = 12 * R;  // bytes between heads' weights of one quad
+  for (int tb = 0; tb < 4; ++tb) {
+    for (int64_t j0 = 0; j0 < R; j0 += WIDEN_EVERY) {
+      __m256i l0 = _mm256_setzero_si256(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;
+      const int64_t j1 = std::min(R, j0 + WIDEN_EVERY);
+      for (int64_t j = j0; j < j1; ++j) {
+        const uint8_t* src = codes + (quads[j] * 4 + tb) * 16;
+        const int8_t* w = w8 + 4 * j;
+        __m256i c0, c1, wv, p;
+        asm("vbroadcasti128 (%[src]), %[c0]\n\t"
+            "vpsrlvd %[shi], %[c0], %[c1]\n\t"
+            "vpsrlvd %[slo], %[c0], %[c0]\n\t"
+            "vpand %[mask], %[c1], %[c1]\n\t"
+            "vpand %[mask], %[c0], %[c0]\n\t"
+            "vpbroadcastd (%[w]), %[wv]\n\t"
+            "vpmaddubsw %[wv], %[c0], %[p]\n\t"
+            "vpaddw %[p], %[l0], %[l0]\n\t"
+            "vpmaddubsw %[wv], %[c1], %[p]\n\t"
+            "vpaddw %[p], %[h0], %[h0]\n\t"
+            "vpbroadcastd (%[w],%[stride]), %[wv]\n\t"
+            "vpmaddubsw %[wv], %[c0], %[p]\n\t"
+            "vpaddw %[p], %[l1], %[l1]\n\t"
+            "vpmaddubsw %[wv], %[c1], %[p]\n\t"
+            "vpaddw %[p], %[h1], %[h1]\n\t"
+            "vpbroadcastd (%[w],%[stride],2), %[wv]\n\t"
+            "vpmaddubsw %[wv], %[c0], %[p]\n\t"
+            "vpaddw %[p], %[l2], %[l2]\n\t"
+            "vpmaddubsw %[wv], %[c1], %[p]\n\t"
+            "vpaddw %[p], %[h2], %[h2]\n\t"
+            "vpbroadcastd (%[w],%[stride3]), %[wv]\n\t"
+            "vpmaddubsw %[wv], %[c0], %[p]\n\t"
+            "vpaddw %[p], %[l3], %[l3]\n\t"
+            "vpmaddubsw %[wv], %[c1], %[p]\n\t"
+            "vpaddw %[p], %[h3], %[h3]"
+            : [l0] "+x"(l0), [h0] "+x"(h0), [l1] "+x"(l1), [h1] "+x"(h1), [l2] "+x"(l2), [h2] "+x"(h2),
+              [l3] "+x"(l3), [h3] "+x"(h3), [c0] "=&x"(c0), [c1] "=&x"(c1), [wv] "=&x"(wv), [p] "=&x"(p)
+            : [src] "r"(src), [w] "r"(w), [stride] "r"(stride), [stride3] "r"(stride3), [slo] "x"(shift_lo),
+              [shi] "x"(shift_hi), [mask] "x"(low2)
+            : "memory");
+      }
+      const __m256i lo[4] = {l0, l1, l2, l3}, hi[4] = {h0, h1, h2, h3};
+      for (int h = 0; h < 4; ++h) {  // widen to 32-bit token sums into acc
+        __m256i* out_lo = reinterpret_cast<__m256i*>(acc + h * GROUP + tb * 16);
+        __m256i* out_hi = out_lo + 1;
+        const __m256i wide_lo = _mm256_madd_epi16(lo[h], ones), wide_hi = _mm256_madd_epi16(hi[h], ones);
+        _mm256_storeu_si256(out_lo, j0 == 0 ? wide_lo : _mm256_add_epi32(_mm256_loadu_si256(out_lo), wide_lo));
+        _mm256_storeu_si256(out_hi, j0 == 0 ? wide_hi : _mm256_add_epi32(_mm256_loadu_si256(out_hi), wide_hi));
+      }
+    }
+  }
+}
+#endif
+
 void scan_heads(int64_t g, const uint8_t* codes, const int32_t* quads, int64_t R, const int8_t* w8, int32_t* acc) {
   for (int64_t h0 = 0; h0 < g; h0 += HEADS_PER_PASS) {
     const int8_t* w = w8 + h0 * 4 * R;
@@ -621,7 +736,11 @@ void scan_heads(int64_t g, const uint8_t* codes, const int32_t* quads, int64_t R
       case 1: scan_quads<1>(codes, quads, R, w, a); break;
       case 2: scan_quads<2>(codes, quads, R, w, a); break;
       case 3: scan_quads<3>(codes, quads, R, w, a); break;
+#if defined(__AVX2__)
+      default: scan_quads4(codes, quads, R, w, a); break;
+#else
       default: scan_quads<4>(codes, quads, R, w, a); break;
+#endif
     }
   }
 }
@@ -656,30 +775,74 @@ void choose_quads(const Call& c, const float* q, const uint16_t* params, int64_t
 
 // Group g's weights: w8 (G x 4R int8, chosen order), A[h], C[h] (see the top of this section). s.q_sel holds the
 // queries at the chosen channels (G x K floats, K = 4R rounded up to 8, zero past 4R).
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 bf16x8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// out[h] = q_h . (low + 1.5 step) for G heads, with mid rounded as in group_weights and each dot summed as dot_lanes
+// (16 lanes of fma in channel order, the same tree), converting the bf16 parameters in registers; dq % 16 == 0
+template <int G>
+inline void mid_dots(const float* q, const uint16_t* low, const uint16_t* step, int64_t dq, int64_t dim_pad,
+                     float* out) {
+  __m256 lo[G], hi[G];
+  for (int h = 0; h < G; ++h) lo[h] = hi[h] = _mm256_setzero_ps();
+  const __m256 half3 = _mm256_set1_ps(1.5f);
+  for (int64_t d = 0; d < dq; d += LANES) {
+    const __m256 m0 = _mm256_add_ps(bf16x8(low + d), _mm256_mul_ps(half3, bf16x8(step + d)));
+    const __m256 m1 = _mm256_add_ps(bf16x8(low + d + 8), _mm256_mul_ps(half3, bf16x8(step + d + 8)));
+    for (int h = 0; h < G; ++h) {
+      lo[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * dim_pad + d), m0, lo[h]);
+      hi[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * dim_pad + d + 8), m1, hi[h]);
+    }
+  }
+  for (int h = 0; h < G; ++h) out[h] = tree_sum8x2(lo[h], hi[h]);
+}
+#endif
+
 void group_weights(const Call& c, const float* q, const uint16_t* params, int64_t g, int64_t R, Scratch& s,
                    float* A, float* C) {
   const int64_t G = c.group, dq = c.dim_q, dim_pad = c.dim_pad, K = s.k_sel;
   const uint16_t* mins = params + g * 2 * dq;
-  float* low = s.low.data();
-  float* step = s.step.data();
-  float* mid = s.mid.data();  // dim_pad floats, zero past dq
-  bf16_row(mins, dq, low);
-  bf16_row(mins + dq, dq, step);
-  for (int64_t d = 0; d < dq; ++d) mid[d] = low[d] + 1.5f * step[d];
   float* step_sel = s.step_sel.data();  // K floats, zero past 4R
-  for (int64_t j = 0; j < R; ++j) std::memcpy(step_sel + 4 * j, step + 4 * s.quads[j], 4 * sizeof(float));
   float* dmids = s.dmid.data();  // q_h . mid, each summed as dot_lanes
-  dots_dispatch(G, q, mid, dim_pad, 1.0f, dmids, 1);
-  for (int64_t h = 0; h < G; ++h) {
-    const float dmid = dmids[h];
-    const float* qs = s.q_sel.data() + h * K;
-    float* w = s.w.data();
-    int8_t* w8 = s.w8.data() + h * 4 * R;
-    float top = 0.0f;
-    int32_t total = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (dq == dim_pad) {  // dq a multiple of 16: everything in registers
+    for (int64_t j = 0; j < R; ++j) {
+      const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mins + dq + 4 * s.quads[j]));
+      _mm_storeu_ps(step_sel + 4 * j, _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(v), 16)));
+    }
+    for (int64_t h0 = 0; h0 < G; h0 += 4) {
+      const float* qh = q + h0 * dim_pad;
+      switch (std::min<int64_t>(4, G - h0)) {
+        case 1: mid_dots<1>(qh, mins, mins + dq, dq, dim_pad, dmids + h0); break;
+        case 2: mid_dots<2>(qh, mins, mins + dq, dq, dim_pad, dmids + h0); break;
+        case 3: mid_dots<3>(qh, mins, mins + dq, dq, dim_pad, dmids + h0); break;
+        default: mid_dots<4>(qh, mins, mins + dq, dq, dim_pad, dmids + h0); break;
+      }
+    }
+  } else
+#endif
+  {
+    float* low = s.low.data();
+    float* step = s.step.data();
+    float* mid = s.mid.data();  // dim_pad floats, zero past dq
+    bf16_row(mins, dq, low);
+    bf16_row(mins + dq, dq, step);
+    for (int64_t d = 0; d < dq; ++d) mid[d] = low[d] + 1.5f * step[d];
+    for (int64_t j = 0; j < R; ++j) std::memcpy(step_sel + 4 * j, step + 4 * s.quads[j], 4 * sizeof(float));
+    dots_dispatch(G, q, mid, dim_pad, 1.0f, dmids, 1);
+  }
 #if defined(__AVX2__)
+  // in phases over the heads, so that the heads' reductions and divisions overlap instead of forming one chain
+  float* tops = s.tops.data();
+  float* sigmas = s.sigmas.data();
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int64_t h = 0; h < G; ++h) {
+    const float* qs = s.q_sel.data() + h * K;
+    float* w = s.w.data() + h * K;
     __m256 peak = _mm256_setzero_ps();
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     for (int64_t k = 0; k < K; k += 8) {
       const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(qs + k), _mm256_loadu_ps(step_sel + k));
       _mm256_storeu_ps(w + k, v);
@@ -687,8 +850,14 @@ void group_weights(const Call& c, const float* q, const uint16_t* params, int64_
     }
     __m128 p4 = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
     p4 = _mm_max_ps(p4, _mm_movehl_ps(p4, p4));
-    top = _mm_cvtss_f32(_mm_max_ss(p4, _mm_shuffle_ps(p4, p4, 1)));  // max is exact in any order
-    const float sigma = top / 127.0f;
+    tops[h] = _mm_cvtss_f32(_mm_max_ss(p4, _mm_shuffle_ps(p4, p4, 1)));  // max is exact in any order
+  }
+  for (int64_t h = 0; h < G; ++h) sigmas[h] = tops[h] / 127.0f;
+  for (int64_t h = 0; h < G; ++h) {
+    const float sigma = sigmas[h];
+    const float* w = s.w.data() + h * K;
+    int8_t* w8 = s.w8.data() + h * 4 * R;
+    int32_t total = 0;
     if (sigma > 0.0f) {
       const __m256 inv = _mm256_set1_ps(1.0f / sigma);
       __m256i sum = _mm256_setzero_si256();
@@ -704,7 +873,16 @@ void group_weights(const Call& c, const float* q, const uint16_t* params, int64_
     } else {
       std::memset(w8, 0, 4 * R);
     }
+    A[h] = c.scaling * sigma;
+    C[h] = c.scaling * (dmids[h] - (1.5f * sigma) * static_cast<float>(total));
+  }
 #else
+  for (int64_t h = 0; h < G; ++h) {
+    const float* qs = s.q_sel.data() + h * K;
+    float* w = s.w.data();
+    int8_t* w8 = s.w8.data() + h * 4 * R;
+    float top = 0.0f;
+    int32_t total = 0;
     for (int64_t k = 0; k < 4 * R; ++k) {
       const float v = qs[k] * step_sel[k];
       w[k] = v;
@@ -722,10 +900,10 @@ void group_weights(const Call& c, const float* q, const uint16_t* params, int64_
     } else {
       std::memset(w8, 0, 4 * R);
     }
-#endif
     A[h] = c.scaling * sigma;
-    C[h] = c.scaling * (dmid - (1.5f * sigma) * static_cast<float>(total));
+    C[h] = c.scaling * (dmids[h] - (1.5f * sigma) * static_cast<float>(total));
   }
+#endif
 }
 
 // out[t] = max_h fma(A[h], acc[h * 64 + t], B[h]) where the mask m[t] is set, -inf elsewhere (t < 64)
@@ -753,6 +931,15 @@ void group_scores(int64_t G, const int32_t* acc, const float* A, const float* B,
 #endif
 }
 
+// the chosen quads' codes and the parameters of group g (scattered lines), requested ahead of the scan
+inline void prefetch_group(const uint8_t* codes, const uint16_t* params, int64_t dq, const int32_t* quads, int64_t R,
+                           int64_t g) {
+  const uint8_t* next = codes + g * 16 * dq;
+  for (int64_t j = 0; j < R; ++j) __builtin_prefetch(next + quads[j] * 64);
+  const char* p = reinterpret_cast<const char*>(params + g * 2 * dq);
+  for (int64_t off = 0; off < 2 * dq * 2; off += 64) __builtin_prefetch(p + off);
+}
+
 // score[i] for every covered position i = position - group_first (m: the mask from group_first on)
 void scan_index(const Call& c, int64_t task, const float* q, int64_t groups, const uint8_t* m, Scratch& s) {
   const int64_t G = c.group, dq = c.dim_q, Q = dq / 4;
@@ -770,7 +957,9 @@ void scan_index(const Call& c, int64_t task, const float* q, int64_t groups, con
       std::memcpy(&s.q_sel[h * s.k_sel + 4 * j], q + h * c.dim_pad + 4 * s.quads[j], 4 * sizeof(float));
   s.step_sel.assign(s.k_sel, 0.0f);
   s.dmid.resize(G);
-  s.w.assign(s.k_sel, 0.0f);
+  s.w.assign(G * s.k_sel, 0.0f);
+  s.tops.resize(G);
+  s.sigmas.resize(G);
   s.w8.assign(G * 4 * R + 8, 0);
   // sampled groups: their integer sums, A and C are kept for the main pass
   const int64_t sampled = (groups + SAMPLE_EVERY - 1) / SAMPLE_EVERY;
@@ -780,6 +969,7 @@ void scan_index(const Call& c, int64_t task, const float* q, int64_t groups, con
   s.logits.resize(sampled * G * GROUP);  // l_h(t), head-major: [h][sample][t]
   for (int64_t i = 0; i < sampled; ++i) {
     const int64_t g = i * SAMPLE_EVERY;
+    if (i + PREFETCH_GROUPS < sampled) prefetch_group(codes, params, dq, s.quads.data(), R, g + PREFETCH_GROUPS * SAMPLE_EVERY);
     float* A = &s.sample_a[i * G];
     float* C = &s.sample_c[i * G];
     group_weights(c, q, params, g, R, s, A, C);
@@ -808,15 +998,8 @@ void scan_index(const Call& c, int64_t task, const float* q, int64_t groups, con
   s.b_buf.resize(G);
   float* A = s.a_buf.data();
   float* B = s.b_buf.data();
-  const int64_t params_bytes = 2 * dq * 2;
   for (int64_t g = 0; g < groups; ++g) {
-    if (g + PREFETCH_GROUPS < groups) {  // the chosen codes and the parameters of a group ahead (scattered lines)
-      const int64_t ahead = g + PREFETCH_GROUPS;
-      const uint8_t* next = codes + ahead * 16 * dq;
-      for (int64_t j = 0; j < R; ++j) __builtin_prefetch(next + s.quads[j] * 64);
-      const char* p = reinterpret_cast<const char*>(params + ahead * 2 * dq);
-      for (int64_t off = 0; off < params_bytes; off += 64) __builtin_prefetch(p + off);
-    }
+    if (g + PREFETCH_GROUPS < groups) prefetch_group(codes, params, dq, s.quads.data(), R, g + PREFETCH_GROUPS);
     const int32_t* acc;
     if (g % SAMPLE_EVERY == 0) {
       const int64_t i = g / SAMPLE_EVERY;
@@ -856,8 +1039,7 @@ void run_task(const Call& c, int64_t task, Scratch& s) {
     scan_index(c, task, s.q.data(), groups, m, s);
     int64_t usable = 0;
     for (int64_t i = 0; i < covered; ++i) usable += m[i];
-    top_m(s.score.data(), covered, std::min(c.shortlist, usable), s, s.chosen);
-    std::sort(s.chosen.begin(), s.chosen.end());
+    top_m(s.score.data(), covered, std::min(c.shortlist, usable), s, s.chosen);  // ascending
     for (int64_t i : s.chosen) s.positions.push_back(first + i);
     for (int64_t p = covered_end; p < end; ++p)
       if (mask[p]) s.positions.push_back(p);
@@ -909,8 +1091,7 @@ void run_task(const Call& c, int64_t task, Scratch& s) {
     const float inv = 1.0f / sum_lanes(l, n);
     for (int64_t r = 0; r < n; ++r) s.score[r] += l[r] * inv;
   }
-  top_m(s.score.data(), n, c.budget, s, s.chosen);
-  std::sort(s.chosen.begin(), s.chosen.end());
+  top_m(s.score.data(), n, c.budget, s, s.chosen);  // ascending
   int64_t* out = c.out_indices + task * c.budget;
   uint8_t* valid = c.out_valid + task * c.budget;
   const int64_t k = static_cast<int64_t>(s.chosen.size());
@@ -918,13 +1099,21 @@ void run_task(const Call& c, int64_t task, Scratch& s) {
     out[i] = i < k ? s.positions[s.chosen[i]] : 0;
     valid[i] = i < k ? 1 : 0;
   }
+  if (c.value_ptr) {  // the gather: each slot's key and value rows (an invalid slot's: position 0's)
+    int64_t key_hint = 0, value_hint = 0;
+    for (int64_t i = 0; i < c.budget; ++i) {
+      const int64_t at = (task * c.budget + i) * row_bytes;
+      std::memcpy(c.out_keys + at, key_row(c, task, out[i], key_hint), row_bytes);
+      std::memcpy(c.out_values + at, row_at(c, c.value_ptr, task, out[i], value_hint), row_bytes);
+    }
+  }
 }
 
 }  // namespace
 
 extern "C" {
 
-// Build variant of this library: 2 = AVX-512 VNNI scan, 1 = AVX2, 0 = scalar.
+// Build variant of this library: 2 = AVX-512 (F/BW/VL/DQ + VNNI), 1 = AVX2, 0 = scalar.
 int dc_variant() {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   return 2;
@@ -948,8 +1137,6 @@ int dc_cpu_features() {
   return f;
 }
 
-// Select for every (sequence, KV head) of one call; see `Call` for the arguments. Returns 0, or -1 on an
-// internal error (std::bad_alloc), with the outputs undefined.
 // Quantize `count` groups of GROUP contiguous key rows of `dim` channels (codes.py's format; the same numbers as
 // codes.quantize): packed (count, 16 * dim_q) uint8, params (count, 2, dim_q) bf16 [minimum | step].
 void dc_quantize(const void* keys, int key_type, int64_t count, int64_t dim, int64_t dim_q, uint8_t* packed,
@@ -1021,14 +1208,17 @@ void dc_release_scratch() {
   pool.clear();
 }
 
+// Select for every (sequence, KV head) of one call, and gather the selected K/V rows when value_ptr is set; see
+// `Call` for the arguments. Returns 0, or -1 on an internal error (std::bad_alloc), with the outputs undefined.
 int dc_select(int64_t batch, int64_t kv_heads, int64_t group, int64_t dim, int key_type, const float* query,
               float scaling, int64_t end, const uint8_t* mask, int64_t n_segs, const int64_t* seg_start,
               const int64_t* seg_len, const int64_t* seg_ptr, const int64_t* codes_ptr, const int64_t* params_ptr,
               const int64_t* group_first, const int64_t* n_groups, int64_t dim_q, int64_t quads,
-              int64_t shortlist, int64_t budget, int64_t* out_indices, uint8_t* out_valid, int threads) {
+              int64_t shortlist, int64_t budget, int64_t* out_indices, uint8_t* out_valid, const int64_t* value_ptr,
+              void* out_keys, void* out_values, int threads) {
   Call c{batch, kv_heads, group, dim, (dim + LANES - 1) / LANES * LANES, key_type, query, scaling, end, mask,
          n_segs, seg_start, seg_len, seg_ptr, codes_ptr, params_ptr, group_first, n_groups, dim_q, quads, shortlist,
-         budget, out_indices, out_valid};
+         budget, out_indices, out_valid, value_ptr, static_cast<char*>(out_keys), static_cast<char*>(out_values)};
   const int64_t tasks = batch * kv_heads;
   // a thread is started per call: only for work that outweighs starting it (the result never depends on it)
   const int64_t worth = std::max<int64_t>(1, tasks * end / MIN_POSITIONS_PER_THREAD);

@@ -148,6 +148,15 @@ class Selector:
         """
         raise NotImplementedError
 
+    def select_into(self, query: torch.Tensor, candidates: Candidates, scaling: float,
+                    out: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`select`, then the chosen keys and values written into `out` (`(b, H_kv, budget, D)` contiguous host
+        tensors of the store's dtype; an invalid slot gets the rows of its index, as `HostKVStore.gather`).
+        Selectors scored by the native engine gather in the same call."""
+        indices, valid = self.select(query, candidates, scaling)
+        self.store.gather(indices, out=out, first_sequence=candidates.first_sequence)
+        return indices, valid
+
     def job(self, query: torch.Tensor, ready: Any, candidates: Candidates, scaling: float,
             rows: list[int] | None = None) -> Callable[[Selection], None]:
         """A retrieval job for the schedule: this selector's choice for `query`, then the gather of the chosen K/V.
@@ -175,14 +184,14 @@ class Selector:
             else:
                 store.wait_written()
                 if rows is None:
-                    indices, valid = self.select(query, candidates, scaling)
-                else:
-                    indices, valid = staging.indices.zero_(), staging.valid.zero_()
-                    for row in rows:
-                        one = slice(row, row + 1)
-                        indices[one], valid[one] = self.select(query[one], candidates.row(row), scaling)
-                staging.indices.copy_(indices)
-                staging.valid.copy_(valid)
+                    indices, valid = self.select_into(query, candidates, scaling, (staging.keys, staging.values))
+                    staging.indices.copy_(indices)
+                    staging.valid.copy_(valid)
+                    return
+                indices, valid = staging.indices.zero_(), staging.valid.zero_()
+                for row in rows:
+                    one = slice(row, row + 1)
+                    indices[one], valid[one] = self.select(query[one], candidates.row(row), scaling)
             store.gather(staging.indices, out=(staging.keys, staging.values))
 
         return run

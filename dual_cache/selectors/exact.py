@@ -19,3 +19,11 @@ class ExactSelector(Selector):
     def select(self, query: torch.Tensor, candidates: Candidates, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         keys = self.store.key_chunks(candidates.end, candidates.rows)
         return engine.select(query.float().contiguous(), candidates.mask, keys, self.budget, scaling)
+
+    def select_into(self, query: torch.Tensor, candidates: Candidates, scaling: float,
+                    out: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        self.store.first_row(candidates.first_sequence, query.shape[0])  # ValueError for rows outside the batch
+        keys = self.store.key_chunks(candidates.end, candidates.rows)
+        values = self.store.value_chunks(candidates.end, candidates.rows)
+        return engine.select(query.float().contiguous(), candidates.mask, keys, self.budget, scaling,
+                             values=values, out=out)

@@ -135,17 +135,25 @@ class LowBitSelector(Selector):
         return scanned, kv_heads * (self.shortlisted + end - groups * GROUP) * dim * element
 
     def select(self, query: torch.Tensor, candidates: Candidates, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._select(query, candidates, scaling, None)
+
+    def select_into(self, query: torch.Tensor, candidates: Candidates, scaling: float,
+                    out: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._select(query, candidates, scaling, out)
+
+    def _select(self, query, candidates, scaling, out):
         rows = candidates.rows
         self.store.first_row(candidates.first_sequence, query.shape[0])  # ValueError for rows outside the batch
         self.extend(candidates.end, candidates.first_real, candidates.first_sequence)
         keys = self.store.key_chunks(candidates.end, rows)
+        values = None if out is None else self.store.value_chunks(candidates.end, rows)
         index = None
         if self.packed is not None:
             first = torch.tensor(self.group_first[rows], dtype=torch.long)
             groups = torch.tensor(self.n_groups[rows], dtype=torch.long)
             index = engine.IndexView(self.packed[rows], self.params[rows], first.clamp(min=0), groups)
         return engine.select(query.float().contiguous(), candidates.mask, keys, self.budget, scaling, index,
-                             self.shortlisted, self.quads)
+                             self.shortlisted, self.quads, values=values, out=out)
 
     @property
     def host_bytes(self) -> int:
