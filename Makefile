@@ -33,7 +33,7 @@ test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
 # The kernel tests (CPU interpreter + ahead-of-time sm_80/sm_90 compiles, slow ones included) under the oldest triton
-# supported, the CUDA test machine's 3.6 (kernels/dispatch.py MIN_TRITON), in a venv of its own; `make test` runs
+# supported, the CUDA test machine's 3.6 (dual_cache/kernels/dispatch.py MIN_TRITON), in a venv of its own; `make test` runs
 # them under the triton the test extra installs.
 TRITON_FLOOR ?= 3.6.0
 FLOOR_VENV := .venv-triton$(TRITON_FLOOR)

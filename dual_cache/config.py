@@ -134,8 +134,8 @@ class DualDecoderConfig:
     cluster_min_context: int = 8192
     cluster_fanout: int = 1
     cluster_node_factor: int = 4
-    lowbit_factor: int = 6
-    lowbit_channels: float = 0.375
+    lowbit_factor: int = 8
+    lowbit_channels: float = 0.25
     retrieval_threads: int | None = None
     prefill_chunk_size: int = 8192
     ngram_size: int = 3

@@ -17,6 +17,7 @@ import sys
 
 import torch
 
+from ..config import DualDecoderConfig
 from ..models import model_display_name
 from .methods import cache_config
 from .needle import format_chat, make_needle_prompt
@@ -55,6 +56,18 @@ def threads_arg(text: str) -> int:
     return value
 
 
+def json_object(text: str) -> dict:
+    """`--options` value: a JSON object (other `DualDecoderConfig` fields); an argparse error otherwise (the
+    fields themselves are checked by `DualDecoderConfig` before the model loads)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"lowbit_factor\": 8}}' ({error})")
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
 def load_tool_model(threads: int | None, name: str | None = None):
     """`(model, tokenizer)` of `name` (see `dual_cache.load_model`: None is the embedded default model, or a named
     model such as `"gemma3-270m"`, a folder or a `.gguf` file), after setting torch's intra-op threads (None:
@@ -75,17 +88,19 @@ def check_positions(model, tokens: int) -> None:
                          f"positions; use --tokens {positions - NEW_TOKENS} or less.")
 
 
-def run(model, tokenizer, tokens: int, seeds: list[int], budget: int, methods: list[str], log=print) -> list[dict]:
-    """One row per seed: `seed`, `answer`, `prompt_tokens`, and per method `<m>` (bool) and `<m>_text`."""
+def run(model, tokenizer, tokens: int, seeds: list[int], budget: int, methods: list[str], log=print,
+        options: dict | None = None) -> list[dict]:
+    """One row per seed: `seed`, `answer`, `prompt_tokens`, and per method `<m>` (bool) and `<m>_text`.
+    `options`: other `DualDecoderConfig` fields for every dual method (e.g. `{"lowbit_factor": 8}`)."""
     rows = []
     for seed in seeds:
         prompt = make_needle_prompt(tokenizer, tokens, seed=seed)
         ids = torch.tensor([format_chat(tokenizer, prompt.text)])
         row = {"seed": seed, "answer": prompt.answer, "prompt_tokens": ids.shape[1]}
         for name in methods:
-            options = cache_config(name, budget)
-            kwargs = {} if options is None else {
-                "cache_implementation": "dual", "cache_config": {"n_sink": 4, "window": 64, **options}
+            config = cache_config(name, budget)
+            kwargs = {} if config is None else {
+                "cache_implementation": "dual", "cache_config": {"n_sink": 4, "window": 64, **config, **(options or {})}
             }
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
                                  **kwargs)
@@ -116,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=int, default=256, help="dual budget (tokens per KV head per layer)")
     parser.add_argument("--methods", nargs="+", default=["dense", "dual", "dual-no-repair"], choices=list(METHODS))
     parser.add_argument("--threads", type=threads_arg, default=None, help="torch intra-op threads")
+    parser.add_argument("--options", type=json_object, default={},
+                        help="other DualDecoderConfig fields for every dual method, as JSON, e.g. "
+                             "'{\"lowbit_factor\": 8}' (default: none)")
     parser.add_argument("--model", default=None, help="named model (gemma3-270m, smollm2-135m), folder or .gguf "
                         "(default: the embedded SmolLM2-135M)")
     parser.add_argument("--out", default=None, help="output path without extension (writes .jsonl and .md)")
@@ -124,6 +142,13 @@ def main(argv: list[str] | None = None) -> int:
         seeds = parse_seeds(args.seeds)
         if args.tokens < 256 or args.budget < 1:
             raise ValueError("--tokens must be >= 256 and --budget >= 1.")
+        for name in args.methods:  # every option checked before the model loads
+            config = cache_config(name, args.budget)
+            if config is not None:
+                DualDecoderConfig(**{**config, **args.options})
+    except TypeError as error:  # a field DualDecoderConfig does not have
+        print(f"error: --options: {error}", file=sys.stderr)
+        return 2
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -133,8 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    rows = run(model, tokenizer, args.tokens, seeds, args.budget, args.methods)
+    rows = run(model, tokenizer, args.tokens, seeds, args.budget, args.methods, options=args.options)
     table = markdown(rows, args.methods, args.tokens, args.budget, model_display_name(args.model))
+    if args.options:
+        table = table.replace("\n", f" Dual options: `{json.dumps(args.options)}`.\n", 1)
     print(table)
     if args.out:
         write_rows_and_table(args.out, rows, table, jsonl=True)

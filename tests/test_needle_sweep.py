@@ -35,6 +35,17 @@ def test_bad_arguments_exit_2_before_loading_a_model(capsys):
         needle_sweep.parse_seeds("5-2")
 
 
+def test_bad_options_exit_2_before_loading_a_model(capsys):
+    assert needle_sweep.main(["--options", '{"lowbit_factr": 8}']) == 2  # not a DualDecoderConfig field
+    assert "--options" in capsys.readouterr().err
+    assert needle_sweep.main(["--methods", "dual-lowbit", "--options", '{"lowbit_factor": 0}']) == 2  # out of range
+    assert "lowbit_factor" in capsys.readouterr().err
+    for bad in ("[1]", "{lowbit"):  # not a JSON object
+        with pytest.raises(SystemExit) as exit_info:
+            needle_sweep.main(["--options", bad])
+        assert exit_info.value.code == 2 and "--options" in capsys.readouterr().err
+
+
 def test_a_prompt_that_leaves_no_positions_for_the_answer_is_refused(embedded):
     model = embedded[0]
     needle_sweep.check_positions(model, 8192 - needle_sweep.NEW_TOKENS)  # the embedded model has 8,192 positions
