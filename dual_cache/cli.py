@@ -107,7 +107,6 @@ def _dual_config(args) -> DualDecoderConfig:
     return DualDecoderConfig(
         budget=args.budget, n_sink=args.n_sink, window=args.window, speculator=args.speculator,
         miss_repair=not args.no_miss_repair, repair_drift=args.repair_drift, selector=args.selector,
-        shortlist_channels=args.shortlist_channels, shortlist_factor=args.shortlist_factor,
         lowbit_factor=args.lowbit_factor, lowbit_channels=args.lowbit_channels, prefill_progress=True,
     )
 
@@ -185,15 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "context, or none (select with the real token's query, synchronously)")
         p.add_argument("--selector", default=DualDecoderConfig().selector, choices=list(SELECTORS),
                        help="host selection (dual_cache/selectors/): exact top-k over every key (native engine), "
-                            "lowbit (2-bit key index + exact rescoring), clusters, block, shortlist, oracle, quest")
+                            "lowbit (2-bit key index + exact rescoring), oracle (the real token's own top-k, "
+                            "evaluation), quest (the Quest baseline)")
         p.add_argument("--lowbit-factor", type=int, default=DualDecoderConfig.lowbit_factor,
                        help="lowbit: positions rescored exactly per KV head, as a multiple of the budget")
         p.add_argument("--lowbit-channels", type=float, default=DualDecoderConfig.lowbit_channels,
                        help="lowbit: fraction of the key channels the 2-bit scan reads, in (0, 1]")
-        p.add_argument("--shortlist-channels", type=int, default=None,
-                       help="shortlist: query channels scored per KV head (None: head_dim / 8)")
-        p.add_argument("--shortlist-factor", type=int, default=8,
-                       help="shortlist: positions kept per KV head, as a multiple of the budget")
         p.add_argument("--no-miss-repair", action="store_true",
                        help="keep a mis-speculated step's prefetched entries (no synchronous re-selection)")
         p.add_argument("--repair-drift", type=_drift_threshold, default=DualDecoderConfig.repair_drift,

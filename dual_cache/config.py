@@ -24,11 +24,11 @@ class DualDecoderConfig:
 
     Attributes:
         budget: middle tokens retrieved per decode step, per KV head, per full-attention layer (tokens).
-            Must be a multiple of `block_size`.
+            With `selector="quest"`, a multiple of `block_size`.
         n_sink: first real (non-pad) prompt tokens kept resident on the device (tokens).
         window: most recent tokens kept resident on the device, a ring buffer (tokens).
-        block_size: retrieval granularity in tokens; 1 is token-level top-k, >1 scores and retrieves whole
-            contiguous blocks (`selector="block"`) or is the page size of `selector="quest"`.
+        block_size: page size of `selector="quest"` (tokens); the other selectors choose single tokens and
+            ignore it.
         early_layers: the first `early_layers` layers retrieve `max(budget, early_layer_budget)` entries: they are
             far less sparse than the later ones (docs/design.md §2). 0 disables.
         early_layer_budget: budget of those early layers (tokens per KV head).
@@ -59,40 +59,18 @@ class DualDecoderConfig:
             results/needle/ (docs/benchmarks.md). On CUDA each check reads a `(B,)` flag back to the host per layer (a
             synchronization point).
         selector: how each step's entries are chosen (`dual_cache.selectors`, one class per value):
-            `"lowbit"` a 2-bit copy of every key on the host, scanned by the native engine to shortlist
-            `lowbit_factor × budget` positions that are rescored exactly (`selectors/lowbit.py`);
-            `"clusters"` a host-side index of balanced key clusters, exact top-k among the best clusters' keys
-            (reads a small fraction of the keys; `selectors/clusters.py`); `"exact"` top-k over every host key
-            (the reference); `"block"` block-level top-k; `"shortlist"` exact top-k among positions shortlisted
-            by a few key channels (SparQ-style; a channel-major copy of the keys on the host); `"oracle"` the real
-            token's own exact top-k, synchronously at the step that uses it (evaluation upper bound only);
-            `"quest"` the Quest baseline (Tang et al., 2024): pages of `block_size` tokens ranked by a min/max
-            key bound against the real token's query at the step that uses it; its page metadata counts as
-            device bytes (evaluation baseline).
-        cluster_size: `selector="clusters"`: keys per cluster (tokens).
-        cluster_segment: `selector="clusters"`: consecutive positions clustered together, from each sequence's
-            first real token; `cluster_size` times a power of two. Positions past the last complete segment are
-            scored exactly.
-        cluster_factor: `selector="clusters"`: the best clusters' members make a shortlist of
-            `cluster_factor × budget` positions (plus the positions past the last complete segment), among which
-            the exact attention mass picks the budget.
-        cluster_min_context: `selector="clusters"`: with fewer selectable positions than this, the exact selection
-            is used (reading every key costs less than the index there); 0 always uses the index.
-        cluster_fanout: `selector="clusters"`: clusters per node of a second index level (a power of two, at most
-            `cluster_segment / cluster_size`); a step scores every node and only the best nodes' clusters. 1: one
-            level (every cluster is scored).
-        cluster_node_factor: `selector="clusters"` with `cluster_fanout` > 1: nodes kept per (sequence, KV head)
-            = `ceil(cluster_node_factor ×` (clusters kept) `/ cluster_fanout)`. Where that is every node (short
-            contexts), the one-level path runs; the nodes' summaries are kept all the same.
+            `"exact"` top-k over every host key (the reference), scored by the native engine; `"lowbit"` a 2-bit
+            copy of every key on the host, scanned by the native engine to shortlist `lowbit_factor × budget`
+            positions that are rescored exactly (`selectors/lowbit.py`); `"oracle"` the real token's own exact
+            top-k, synchronously at the step that uses it (evaluation upper bound only); `"quest"` the Quest
+            baseline (Tang et al., 2024): pages of `block_size` tokens ranked by a min/max key bound against the
+            real token's query at the step that uses it; its page metadata counts as device bytes (evaluation
+            baseline). Any other value raises `ValueError` listing these.
         lowbit_factor: `selector="lowbit"`: positions per KV head the 2-bit key scan shortlists for exact
             rescoring, as a multiple of the budget.
         lowbit_channels: `selector="lowbit"`: fraction of the channel quads (4 channels each) whose codes the scan
             reads, in (0, 1]; the quads are chosen per step and KV head by `Σ_h |q_h| ×` the channel's step, and
             the other channels enter at each 64-token group's midpoint (`engine/reference.py`). 1.0 reads them all.
-        shortlist_channels: `selector="shortlist"`: query channels scored per KV head in the first stage; None =
-            `max(1, head_dim // 8)` (values above `head_dim` act as `head_dim`).
-        shortlist_factor: `selector="shortlist"` keeps `shortlist_factor × budget` positions per KV head for the
-            exact second stage.
         retrieval_threads: host threads running retrieval jobs ahead of the compute, several layers at once; 0
             runs each job synchronously on the calling thread (the reference path; identical tokens and
             selections for any count); None picks the host's cores when the model runs on CUDA and 0 on CPU
@@ -126,14 +104,6 @@ class DualDecoderConfig:
     miss_repair: bool = True
     repair_drift: float | None = 0.4
     selector: str = "exact"
-    shortlist_channels: int | None = None
-    shortlist_factor: int = 8
-    cluster_size: int = 16
-    cluster_segment: int = 1024
-    cluster_factor: int = 8
-    cluster_min_context: int = 8192
-    cluster_fanout: int = 1
-    cluster_node_factor: int = 4
     lowbit_factor: int = 8
     lowbit_channels: float = 0.25
     retrieval_threads: int | None = None
@@ -179,10 +149,6 @@ class DualDecoderConfig:
             return max(self.budget, self.early_layer_budget)
         return self.budget
 
-    def shortlist_channels_for(self, head_dim: int) -> int:
-        """Query channels the `"shortlist"` selector scores per KV head for heads of `head_dim`."""
-        return self.shortlist_channels if self.shortlist_channels is not None else max(1, head_dim // 8)
-
     def threads_for(self, device: torch.device) -> int:
         """Retrieval threads to use for a model on `device` (resolves `retrieval_threads=None`)."""
         if self.retrieval_threads is None:
@@ -208,15 +174,6 @@ class DualDecoderConfig:
         if self.retrieval_threads is not None:
             _int("retrieval_threads", self.retrieval_threads, 0)
         _int("prefill_chunk_size", self.prefill_chunk_size, 1)
-        if self.shortlist_channels is not None:
-            _int("shortlist_channels", self.shortlist_channels, 1)
-        _int("shortlist_factor", self.shortlist_factor, 1)
-        _int("cluster_size", self.cluster_size, 1)
-        _int("cluster_segment", self.cluster_segment, 1)
-        _int("cluster_factor", self.cluster_factor, 1)
-        _int("cluster_min_context", self.cluster_min_context, 0)
-        _int("cluster_fanout", self.cluster_fanout, 1)
-        _int("cluster_node_factor", self.cluster_node_factor, 1)
         _int("ngram_size", self.ngram_size, 1)
         _int("lookahead", self.lookahead, 0)
         _int("host_chunk_tokens", self.host_chunk_tokens, 1)

@@ -320,15 +320,6 @@ class HostKVStore:
         first = self.first_row(first_sequence, indices.shape[0])
         return self._gather(0, indices, out_keys, first), self._gather(1, indices, out_values, first)
 
-    def gather_keys(self, indices: torch.Tensor, first_sequence: int = 0,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-        """Keys only at `indices` (B, H_kv, k) int64 positions `< length`: `(B, H_kv, k, D)`, written into `out`
-        (contiguous, e.g. a buffer reused across steps) or a new tensor.
-
-        `first_sequence`: the `B` rows of `indices` are the store's sequences `first_sequence, …` (ValueError if
-        they lie outside its batch)."""
-        return self._gather(0, indices, out, self.first_row(first_sequence, indices.shape[0]))
-
     def first_row(self, first_sequence: int, batch: int) -> int:
         """Flat `(sequence, KV head)` row of `first_sequence`'s first KV head.
 

@@ -73,8 +73,7 @@ def group_attention_mass(query: torch.Tensor, keys: Keys, candidates: torch.Tens
         keys: `(B, H_kv, n, D)` host keys of positions `[0, n)`, or a list of such tensors that concatenate along
             the position axis to it (the host store's chunks; a chunk of batch 1 is shared by every sequence);
             `H_q` must be a multiple of `H_kv`.
-        candidates: `(B, n)` bool, True where a position may be selected; or `(B, H_kv, n)` when the keys of each
-            KV head are a different set of positions (a shortlist).
+        candidates: `(B, n)` bool, True where a position may be selected.
         scaling: softmax scale (usually `D ** -0.5`).
 
     Returns:
@@ -84,7 +83,7 @@ def group_attention_mass(query: torch.Tensor, keys: Keys, candidates: torch.Tens
     # step, and a fresh one per elementwise op costs more than the arithmetic
     logits = _logits(query, keys).mul_(scaling)  # (B, H_kv, G, n)
     bias = torch.zeros(candidates.shape, dtype=logits.dtype).masked_fill_(~candidates, float("-inf"))
-    logits += bias[:, None, None, :] if candidates.dim() == 2 else bias[:, :, None, :]  # cheaper than masked_fill
+    logits += bias[:, None, None, :]  # cheaper than masked_fill
     peak = logits.amax(dim=-1, keepdim=True).nan_to_num_(0.0, neginf=0.0)  # rows without candidates: 0
     probs = logits.sub_(peak).exp_()
     probs.mul_(probs.sum(dim=-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny).reciprocal_())
@@ -105,26 +104,6 @@ def select_topk(mass: torch.Tensor, candidates: torch.Tensor, budget: int) -> tu
     return pad_selection(indices, valid, budget)
 
 
-def select_among(
-    mass: torch.Tensor, positions: torch.Tensor, usable: torch.Tensor, budget: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-`budget` of a shortlist: the entries of highest `mass` among `positions`.
-
-    Args:
-        mass: `(B, H_kv, m)` float scores of the shortlisted entries (e.g. `group_attention_mass` over their keys).
-        positions: `(B, H_kv, m)` int64 positions of those entries; usable: `(B, H_kv, m)` bool, False where an
-            entry may not be selected (its mass should be 0).
-
-    Returns:
-        `(indices, valid)` as `select_topk`: `(B, H_kv, budget)`, valid positions ascending, invalid slots 0.
-    """
-    top = torch.topk(mass, min(budget, mass.shape[-1]), dim=-1, sorted=False).indices
-    valid = torch.gather(usable, 2, top)
-    indices = torch.where(valid, torch.gather(positions, 2, top), torch.zeros_like(top))
-    indices, order = torch.sort(indices, dim=-1)
-    return pad_selection(indices, torch.gather(valid, 2, order), budget)
-
-
 def pad_selection(indices: torch.Tensor, valid: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Widen `(B, H_kv, k)` `indices` / `valid` to `budget` slots with invalid entries at position 0."""
     short = budget - indices.shape[-1]
@@ -135,35 +114,11 @@ def pad_selection(indices: torch.Tensor, valid: torch.Tensor, budget: int) -> tu
             torch.cat([valid, valid.new_zeros(batch, kv_heads, short)], dim=-1))
 
 
-def select_blocks(
-    mass: torch.Tensor, candidates: torch.Tensor, budget: int, block_size: int, starts: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-level top-k: blocks of `block_size` consecutive positions ranked by their summed mass.
-
-    Args:
-        starts: `(B,)` int64 position where each sequence's first block begins (its first real token, so that left
-            padding does not move the block boundaries); None = 0 for every sequence.
-
-    `budget` must be a multiple of `block_size`; returns `indices`, `valid` as `select_topk` does (positions
-    past `n` or outside the candidates are invalid).
-    """
-    batch, kv_heads, n = mass.shape
-    if starts is not None and bool(starts.any()):  # shift each row so its first block starts at index 0
-        index = torch.arange(n)[None, :] + starts[:, None]
-        inside = (index < n)[:, None, :]
-        mass = torch.gather(mass, 2, index.clamp(max=n - 1)[:, None, :].expand(batch, kv_heads, n)) * inside
-    n_blocks = -(-n // block_size)
-    padded = torch.nn.functional.pad(mass, (0, n_blocks * block_size - n))
-    block_mass = padded.view(batch, kv_heads, n_blocks, block_size).sum(-1)
-    return _top_blocks(block_mass, candidates, budget, block_size, starts)
-
-
 def _top_blocks(
-    block_score: torch.Tensor, candidates: torch.Tensor, budget: int, block_size: int,
-    starts: torch.Tensor | None = None,
+    block_score: torch.Tensor, candidates: torch.Tensor, budget: int, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token positions of the `budget // block_size` best blocks of `block_score` `(B, H_kv, n_blocks)`, block `j`
-    of a row covering `[starts + j·block_size, starts + (j+1)·block_size)`."""
+    covering `[j·block_size, (j+1)·block_size)`."""
     batch, kv_heads, n_blocks = block_score.shape
     n = candidates.shape[1]
     k_blocks = min(budget // block_size, n_blocks)
@@ -171,8 +126,6 @@ def _top_blocks(
     blocks, _ = torch.sort(top, dim=-1)
     offsets = torch.arange(block_size, device=block_score.device)
     indices = (blocks[..., None] * block_size + offsets).flatten(2)
-    if starts is not None:
-        indices = indices + starts[:, None, None]
     in_range = indices < n
     indices = torch.where(in_range, indices, torch.zeros_like(indices))
     valid = in_range & torch.gather(candidates[:, None, :].expand(batch, kv_heads, n), 2, indices)
@@ -230,25 +183,16 @@ def select_pages(
 
 
 def select(
-    query: torch.Tensor,
-    keys: Keys,
-    candidates: torch.Tensor,
-    budget: int,
-    scaling: float,
-    block_size: int = 1,
-    starts: torch.Tensor | None = None,
+    query: torch.Tensor, keys: Keys, candidates: torch.Tensor, budget: int, scaling: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Choose `budget` entries per (sequence, KV head) that `query` attends to most.
+    """Choose the `budget` entries per (sequence, KV head) that `query` attends to most: token-level top-k of
+    `group_attention_mass`, in pure torch (the exact selection without the native engine).
 
     Args:
-        query: `(B, H_q, D)`; keys: `(B, H_kv, n, D)` or its chunks; candidates: `(B, n)` bool (see `group_attention_mass`).
-        budget: entries per KV head (tokens); block_size: 1 for token-level, else block-level selection.
-        starts: `(B,)` first real position of each sequence, where its blocks begin (`select_blocks`).
+        query: `(B, H_q, D)`; keys: `(B, H_kv, n, D)` or its chunks; candidates: `(B, n)` bool (see
+            `group_attention_mass`); budget: entries per KV head (tokens); scaling: softmax scale.
 
     Returns:
         `(indices, valid)`, both `(B, H_kv, budget)`: int64 positions sorted ascending, and bool validity.
     """
-    mass = group_attention_mass(query, keys, candidates, scaling)
-    if block_size == 1:
-        return select_topk(mass, candidates, budget)
-    return select_blocks(mass, candidates, budget, block_size, starts)
+    return select_topk(group_attention_mass(query, keys, candidates, scaling), candidates, budget)

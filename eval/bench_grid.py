@@ -19,12 +19,12 @@ def registered_config(method: str) -> dict[str, Any]:
 
 DUAL_METHODS = tuple(f"dual-{s}" for s in SPECULATORS)  # dual-self, dual-ngram, dual-none
 BASELINES = ("dense", "offloaded")
-SHORTLIST = "dual-shortlist"  # dual-self with the two-stage host selector (`selector="shortlist"`)
+LOWBIT = "dual-lowbit"  # dual-self with the 2-bit key index (`selector="lowbit"`)
 NO_REPAIR = "dual-no-repair"  # dual-self with `miss_repair=False`: the pipeline alone
 FORCED_MISS = "dual-forced-miss"  # dual-self whose repairs follow a forced miss rate (eval/forced_miss.py)
-ALL_METHODS = BASELINES + DUAL_METHODS + (NO_REPAIR, FORCED_MISS, SHORTLIST, "quest")
-METHOD_ALIASES = {"dual": DUAL_METHODS, "all": BASELINES + DUAL_METHODS + (SHORTLIST, "quest")}
-BUDGETED = DUAL_METHODS + (NO_REPAIR, FORCED_MISS, SHORTLIST, "quest")  # cells vary with the retrieval budget
+ALL_METHODS = BASELINES + DUAL_METHODS + (NO_REPAIR, FORCED_MISS, LOWBIT, "quest")
+METHOD_ALIASES = {"dual": DUAL_METHODS, "all": BASELINES + DUAL_METHODS + (LOWBIT, "quest")}
+BUDGETED = DUAL_METHODS + (NO_REPAIR, FORCED_MISS, LOWBIT, "quest")  # cells vary with the retrieval budget
 RATIO_BASELINES = ("dense", "offloaded", "quest")  # what "the best baseline" of the max-batch table ranges over
 CPU_LINEARS = ("stock", "gemm")  # see eval/cpu_linear.py
 
@@ -38,8 +38,8 @@ class BenchGrid:
             `"all"`. `dual-<speculator>`: that speculator with the default selector (`DualDecoderConfig().selector`)
             and the default miss repair; `dual-no-repair`: `dual-self` with `miss_repair=False`;
             `dual-forced-miss`: `dual-self` whose miss repairs hit a `forced_miss_rate` fraction of the live
-            sequences each step (benchmark only, `eval/forced_miss.py`); `dual-shortlist`: `dual-self` with
-            `selector="shortlist"`; `quest`: the Quest baseline.
+            sequences each step (benchmark only, `eval/forced_miss.py`); `dual-lowbit`: `dual-self` with
+            `selector="lowbit"`; `quest`: the Quest baseline.
         batches: sequences per `generate()` call.
         contexts: prompt lengths (tokens; the embedded model's needle prompts meet them within a few tokens).
         budgets: dual / quest retrieval budgets; dense and offloaded cells ignore them.

@@ -15,12 +15,12 @@ past the sink and before the local window, then the gather of the chosen K/V int
 the step time is scaled to `--layers` layers.
 
 Per row: `ms_per_step` (median over `--repeats`, after one warm-up), `ms_per_layer`, `key_mib_read_per_step` (key
-bytes a step reads: every key for `exact`; the channels and shortlisted keys for `shortlist`; the cluster summaries,
-the shortlisted clusters' keys and the unclustered tail for `clusters`), `index_host_bytes` (per layer, beyond the
-K/V) and `index_fraction` (of the layer's K/V bytes), `build_ms_per_1k_tokens` (building the index over the prompt,
-per layer, per sequence), `effective_gbps` (key bytes read per second of selection), `host_read_gbps` (this host's
-read bandwidth at the same thread count, measured in the same run by a large reduction), `engine` (the native engine
-variant, or `torch` for `torch-exact`), and `exact / this` from the same run. Timings do not depend on key values; quality is
+bytes a step reads: every key for `exact`; the scanned channels' codes, every group parameter, then the shortlisted
+keys and the uncovered tail whole for `lowbit`), `index_host_bytes` (per layer, beyond the K/V) and `index_fraction`
+(of the layer's K/V bytes), `build_ms_per_1k_tokens` (building the index over the prompt, per layer, per sequence),
+`effective_gbps` (key bytes read per second of selection), `host_read_gbps` (this host's read bandwidth at the same
+thread count, measured in the same run by a large reduction), `engine` (the native engine variant, or `torch` for
+`torch-exact`), and `exact / this` from the same run. Timings do not depend on key values; quality is
 measured on real keys by `dual_cache.eval.selection_recall`. Writes `<out>.json` and `<out>.md`.
 """
 
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pools", type=int, nargs="+", default=[1], help="retrieval threads per run")
     parser.add_argument("--budget", type=int, default=256, help="tokens per KV head")
     parser.add_argument("--options", type=json.loads, default={},
-                        help='other DualDecoderConfig fields as JSON, e.g. \'{"cluster_size": 32}\'')
+                        help='other DualDecoderConfig fields as JSON, e.g. \'{"lowbit_factor": 4}\'')
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -217,8 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     if not isinstance(args.options, dict) or "selector" in args.options:
         problems.append("--options must be a JSON object of DualDecoderConfig fields other than selector")
     else:
-        try:
-            DualDecoderConfig.from_dict(args.options)
+        try:  # each selector's own options are checked with that selector
+            for name in args.selectors:
+                DualDecoderConfig.from_dict({**args.options, "selector": "exact" if name == TORCH_EXACT else name})
         except (ValueError, TypeError) as error:
             problems.append(f"--options: {error}")
     if args.sink < 0 or args.window < 1:

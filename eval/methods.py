@@ -8,7 +8,7 @@
 | `dual-none` | b | `{"budget": b, "speculator": "none"}`: the previous real token's selection (what speculation buys) |
 | `oracle` | b | `{"budget": b, "selector": "oracle"}`: the real token's own top-k (upper bound) |
 | `streaming` | 0 | `{"budget": 0, "early_layers": 0, "speculator": "none"}`: StreamingLLM-style sink + window only |
-| `dual-clusters` / `dual-exact` | b | `dual` with the cluster index (at any context length) / exact top-k over every key |
+| `dual-exact` | b | `dual` with exact top-k over every key |
 | `dual-lowbit` | b | `dual` with the 2-bit key index and exact rescoring of `lowbit_factor × b` positions |
 | `quest` | b | `{"budget": b, "selector": "quest", "block_size": 16, "speculator": "none"}`: Quest-style pages ranked by min/max key bounds |
 
@@ -35,8 +35,6 @@ CACHE_CONFIGS: dict[str, dict[str, Any] | None] = {
     "dual-no-drift": {"repair_drift": None},
     "dual-forced-miss": {"speculator": "self", "miss_repair": True},  # with eval.forced_miss (benchmark only)
     "dual-exact": {"selector": "exact"},
-    "dual-clusters": {"selector": "clusters", "cluster_min_context": 0},  # the host index at any context length
-    "dual-shortlist": {"selector": "shortlist"},
     "dual-lowbit": {"selector": "lowbit"},  # the 2-bit key index + exact rescoring (native engine)
     "oracle": {"selector": "oracle"},  # the real token's own top-k: upper bound
     "streaming": {"budget": 0, "early_layers": 0, "speculator": "none"},  # sink + window only
@@ -59,7 +57,7 @@ def cache_config(name: str, budget: int | None = None) -> dict[str, Any] | None:
     return {"budget": budget, **config} if budget is not None and "budget" not in config else dict(config)
 
 
-METHOD_NAMES = ("dense", "dual", "dual-no-repair", "dual-none", "dual-clusters", "dual-exact", "oracle", "streaming",
+METHOD_NAMES = ("dense", "dual", "dual-no-repair", "dual-none", "dual-lowbit", "dual-exact", "oracle", "streaming",
                 "quest")  # what the evaluation harness runs
 
 

@@ -23,8 +23,8 @@ from .methods import cache_config
 from .needle import format_chat, make_needle_prompt
 from .outputs import write_rows_and_table
 
-METHODS = ("dense", "dual", "dual-no-drift", "dual-no-repair", "dual-none", "dual-exact", "dual-clusters",
-           "dual-lowbit", "dual-shortlist", "oracle")  # names of eval/methods.py's registry
+METHODS = ("dense", "dual", "dual-no-drift", "dual-no-repair", "dual-none", "dual-exact", "dual-lowbit",
+           "oracle")  # names of eval/methods.py's registry
 NEW_TOKENS = 24  # greedy tokens decoded per prompt
 
 

@@ -1,8 +1,8 @@
 """How much of the exact top-k attention mass each selector keeps, on a real model's keys and queries.
 
-    python -m dual_cache.eval.selection_recall --tokens 8192 --seeds 0-3 \
-        --configs exact clusters 'clusters:{"cluster_size": 32}' shortlist 'quest:{"block_size": 16}' \
-        --out results/needle/selection-recall-8k
+    python -m dual_cache.eval.selection_recall --tokens 8192 --seeds 4-7 --threads 2 \
+        --configs exact lowbit 'lowbit:{"lowbit_factor": 2}' 'lowbit:{"lowbit_factor": 8}' \
+        --out results/selection/smollm2-135m-8k-lowbit
 
 For each word-needle prompt (`needle.make_needle_prompt`), one dense prefill (in chunks, transformers' default
 cache) records every full-attention layer's keys (after RoPE) and the queries of the last `--queries` prompt
@@ -74,7 +74,7 @@ def record_prefill(model, ids: torch.Tensor, queries: int = 1, chunk: int = 2048
 
 
 def parse_config(text: str) -> tuple[str, dict]:
-    """`"clusters"` or `'clusters:{"cluster_size": 32}'` → `(selector, options)`; raises `ValueError`."""
+    """`"lowbit"` or `'lowbit:{"lowbit_factor": 4}'` → `(selector, options)`; raises `ValueError`."""
     name, _, options = text.partition(":")
     if name not in SELECTORS:
         raise ValueError(f"unknown selector {name!r} in --configs; choose from {sorted(SELECTORS)}.")
@@ -174,7 +174,7 @@ def recall_summary(recall: torch.Tensor) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_recording_arguments(parser)
-    parser.add_argument("--configs", nargs="+", default=["clusters", "shortlist", "quest:{\"block_size\": 16}"],
+    parser.add_argument("--configs", nargs="+", default=["lowbit", "quest:{\"block_size\": 16}"],
                         help="selector[:JSON options] per configuration")
     args = parser.parse_args(argv)
     try:

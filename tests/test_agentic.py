@@ -14,6 +14,7 @@ from transformers import DynamicCache
 from dual_cache import DualDecoderCache
 from dual_cache.host_store import live_host_bytes
 from dual_cache.retrieval import _logits
+from dual_cache.selectors import SELECTORS
 from tests.conftest import TINY_MODELS, record_selections, six_layer_llama
 
 FULL = {"budget": 4096, "window": 8}
@@ -148,7 +149,7 @@ def _shared_batch(seed: int, prefix: int = 200, lengths=(5, 9, 7)):
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
-@pytest.mark.parametrize("selector", ["clusters", "exact"])
+@pytest.mark.parametrize("selector", [name for name, cls in SELECTORS.items() if cls.shares_prefix])
 def test_a_batch_sharing_one_stored_prefix_equals_the_default_cache_at_full_budget(name, selector):
     model = TINY_MODELS[name](seed=10)
     document, ids, mask = _shared_batch(11)
@@ -168,8 +169,7 @@ def test_a_batch_sharing_one_stored_prefix_equals_the_default_cache_at_full_budg
 def test_a_shared_prefix_at_partial_budget_selects_per_sequence_with_repairs():
     model = six_layer_llama(seed=12)
     document, ids, mask = _shared_batch(13, prefix=400, lengths=(6, 12, 9))
-    options = {"budget": 16, "window": 8, "early_layers": 0, "cluster_size": 4, "cluster_segment": 32,
-               "cluster_min_context": 0}
+    options = {"budget": 16, "window": 8, "early_layers": 0}
     with DualDecoderCache(model.config, **options) as cache:
         model.generate(document, max_new_tokens=1, do_sample=False, cache=cache)
         recorded = record_selections(cache, at="release")
@@ -178,35 +178,10 @@ def test_a_shared_prefix_at_partial_budget_selects_per_sequence_with_repairs():
     _, indices, valid, _ = recorded[-1]
     rows = [set(indices[b][valid[b]].tolist()) for b in range(3)]
     assert rows[0] != rows[1] or rows[1] != rows[2]  # each request chooses its own entries
-    with DualDecoderCache(model.config, **options, selector="shortlist") as cache:
+    with DualDecoderCache(model.config, **options, selector="lowbit") as cache:  # its index is per sequence
         model.generate(document, max_new_tokens=1, do_sample=False, cache=cache)
         with pytest.raises(ValueError, match="cannot share"):
             model.generate(ids, attention_mask=mask, max_new_tokens=2, cache=cache)
-
-
-def test_a_shared_prefix_whose_last_segment_reaches_into_the_window_selects_as_exact():
-    """The prefix's last indexed segment ends past the first steps' selectable range (short questions, a window
-    longer than they are): those clusters wait until they are selectable; with a shortlist that covers every
-    usable cluster the index then selects what exact top-k selects."""
-    model = six_layer_llama(seed=17)
-    document, ids, mask = _shared_batch(18, prefix=384, lengths=(1, 2, 3))  # 12 segments of 32, no tail
-    options = {"budget": 16, "window": 8, "early_layers": 0, "miss_repair": False}
-    index = {"selector": "clusters", "cluster_size": 4, "cluster_segment": 32, "cluster_min_context": 0,
-             "cluster_factor": 22}  # 88 clusters: every usable one while the selectable range is < 388 tokens
-    runs = []
-    for selector_options in (index, {"selector": "exact"}):
-        with DualDecoderCache(model.config, **options, **selector_options) as cache:
-            model.generate(document, max_new_tokens=1, do_sample=False, cache=cache)
-            recorded = record_selections(cache, at="release")
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, cache=cache)
-        runs.append((out, recorded))
-    (out_index, got), (out_exact, expected) = runs
-    assert torch.equal(out_index, out_exact)
-    for (layer, indices, valid, _), (layer_e, indices_e, valid_e, _) in zip(got, expected, strict=True):
-        assert layer == layer_e and torch.equal(valid, valid_e)
-        for b in range(indices.shape[0]):
-            for h in range(indices.shape[1]):
-                assert set(indices[b, h][valid[b, h]].tolist()) == set(indices_e[b, h][valid_e[b, h]].tolist())
 
 
 @pytest.mark.parametrize("seed", [14, 15])

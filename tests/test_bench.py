@@ -53,7 +53,7 @@ def result(model):
 
 
 def test_end_to_end_every_column(result, tmp_path):
-    methods = {"dense", "dual-self", "dual-ngram", "dual-none", "dual-shortlist", "quest", "dual-no-repair",
+    methods = {"dense", "dual-self", "dual-ngram", "dual-none", "dual-lowbit", "quest", "dual-no-repair",
                "dual-forced-miss"}
     assert {row["method"] for row in result.cells} == methods
     assert len(result.cells) >= len(methods) * 2 * 2  # × batches × contexts (one budget), then max-batch runs
@@ -67,7 +67,7 @@ def test_end_to_end_every_column(result, tmp_path):
             assert math.isfinite(row[column]), (row["method"], column)
         assert row["decode_steps"] == 4  # new_tokens - 1 forwards after the prefill
         assert math.isnan(row["cuda_peak_bytes_per_request"])  # CPU
-        if row["method"] in ("dual-self", "dual-ngram", "dual-shortlist", "dual-no-repair", "dual-forced-miss"):
+        if row["method"] in ("dual-self", "dual-ngram", "dual-lowbit", "dual-no-repair", "dual-forced-miss"):
             assert 0 <= row["spec_hit_rate"] <= 1
         if row["method"] in ("dense", "dual-none"):
             assert math.isnan(row["spec_hit_rate"])

@@ -166,8 +166,8 @@ def test_cli_repair_drift_option(tmp_path, capsys):
         assert "--repair-drift" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("selector, block", [("exact", 1), ("block", 4), ("shortlist", 1)])
-def test_repairing_some_sequences_scores_only_them_with_the_same_result(monkeypatch, selector, block):
+@pytest.mark.parametrize("selector", [{"selector": "exact"}, {"selector": "lowbit", "lowbit_factor": 2}])
+def test_repairing_some_sequences_scores_only_them_with_the_same_result(monkeypatch, selector):
     """A repair of a strict subset of the batch scores those sequences one by one; the selections they attend to
     (and the tokens) equal those of scoring the whole batch and copying the same rows."""
     from dual_cache.layer import DualLayer
@@ -177,7 +177,7 @@ def test_repairing_some_sequences_scores_only_them_with_the_same_result(monkeypa
     ids = torch.randint(3, 90, (3, 260), generator=generator)
     mask = torch.ones_like(ids)
     mask[1, :70] = 0  # a left-padded row
-    options = {"budget": 16, "n_sink": 4, "window": 8, "early_layers": 0, "selector": selector, "block_size": block}
+    options = {"budget": 16, "n_sink": 4, "window": 8, "early_layers": 0, **selector}
     subsets = []
 
     def run():

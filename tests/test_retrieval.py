@@ -51,22 +51,6 @@ def test_topk_selects_the_highest_mass_candidates(seed, budget):
             torch.testing.assert_close(mass[b, h, chosen].sum(), expected)
 
 
-@pytest.mark.parametrize("seed", [6, 7])
-def test_block_selection_takes_whole_blocks_of_highest_mass(seed):
-    query, keys, candidates = _inputs(seed, n=100)
-    block = 8
-    indices, valid = retrieval.select(query, keys, candidates, 32, scaling=0.25, block_size=block)
-    mass = retrieval.group_attention_mass(query, keys, candidates, scaling=0.25)
-    for b in range(2):
-        for h in range(2):
-            blocks = sorted(set((indices[b, h] // block).tolist()))
-            assert len(blocks) == 4
-            padded = torch.nn.functional.pad(mass[b, h], (0, 4))
-            block_mass = padded.view(-1, block).sum(-1)
-            torch.testing.assert_close(block_mass[blocks].sum(), torch.topk(block_mass, 4).values.sum())
-            assert not valid[b, h][indices[b, h] >= 100].any()
-
-
 def test_host_store_appends_gathers_crops_and_grows_in_chunks():
     gen = torch.Generator().manual_seed(8)
     before = live_host_bytes()
@@ -164,21 +148,6 @@ def test_quest_pages_match_brute_force_bound(seed):
             expected = {p * page + i for p in best for i in range(page) if p * page + i < 50}
             expected = {i for i in expected if candidates[b, i]}
             assert set(indices[b, h][valid[b, h]].tolist()) == expected
-
-
-def test_block_edges_start_at_each_rows_first_real_token():
-    generator = torch.Generator().manual_seed(31)
-    n, pad, block = 50, 7, 4
-    mass = torch.rand(1, 2, n, generator=generator)
-    candidates = torch.rand(1, n, generator=generator) > 0.2
-    alone = retrieval.select_blocks(mass, candidates, 12, block)
-    # the same row behind `pad` left pads (zero mass, never candidates), blocks starting at the first real token
-    padded_mass = torch.cat([torch.zeros(1, 2, pad), mass], dim=2)
-    padded_candidates = torch.cat([torch.zeros(1, pad, dtype=torch.bool), candidates], dim=1)
-    shifted = retrieval.select_blocks(padded_mass, padded_candidates, 12, block, starts=torch.tensor([pad]))
-    (idx_a, ok_a), (idx_b, ok_b) = alone, shifted
-    assert torch.equal(ok_a, ok_b)
-    assert torch.equal(idx_a[ok_a] + pad, idx_b[ok_b])
 
 
 def test_host_store_reserves_the_prompt_then_grows_geometrically():

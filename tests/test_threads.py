@@ -14,7 +14,7 @@ from tests.conftest import tiny_llama
 # (prompt length, cache_config or None for the default cache): different lengths, budgets, speculators, threads
 JOBS = [
     (150, {"budget": 16, "window": 8, "early_layers": 0, "speculator": "self", "retrieval_threads": 1}),
-    (220, {"budget": 32, "window": 16, "speculator": "ngram", "selector": "block", "block_size": 4}),
+    (220, {"budget": 32, "window": 16, "speculator": "ngram", "selector": "lowbit", "lowbit_factor": 2}),
     (90, {"budget": 4096, "window": 8, "speculator": "none"}),
     (120, None),
 ]

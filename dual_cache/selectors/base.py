@@ -1,9 +1,9 @@
 """The interface every selector implements, and what a selection is asked for (`Candidates`).
 
 A selector decides which `budget` middle entries per (sequence, KV head) one full-attention layer's decode step
-attends to (docs/design.md §2, step 3). It owns whatever it keeps besides the layer's host store — a host-side index, a
-channel-major key copy, page metadata on the device — builds it during prefill, extends it as tokens are committed,
-and answers `select(query, candidates)` on the host. It knows nothing of transformers, caches or schedules.
+attends to (docs/design.md §2, step 3). It owns whatever it keeps besides the layer's host store — a host-side index,
+page metadata on the device — builds it during prefill, extends it as tokens are committed, and answers
+`select(query, candidates)` on the host. It knows nothing of transformers, caches or schedules.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from ..host_store import HostKVStore
-from ..retrieval import group_attention_mass, select_among
 from ..schedule import Selection
 
 HostClaim = Callable[[int], None]  # called with a byte count before host memory is allocated; may raise
@@ -28,7 +27,7 @@ class Candidates:
         mask: `(B, end)` bool host tensor, True at real (non-pad), non-sink positions below `end` (the start of the
             local window).
         first_real: `(B,)` int64 host tensor, each sequence's first real (non-pad) position; selectors that group
-            positions (blocks, pages, index segments) start their groups there, so left padding never changes
+            positions (the 2-bit index's groups) start their groups there, so left padding never changes
             what a sequence selects.
         first_sequence: the rows are the store's sequences `first_sequence, …, first_sequence + B - 1` (a repair
             of some sequences of the batch).
@@ -210,34 +209,9 @@ class Selector:
         """Release what the selector holds. Idempotent."""
 
 
-def select_in_shortlist(store: HostKVStore, query: torch.Tensor, positions: torch.Tensor, usable: torch.Tensor,
-                        first_sequence: int, budget: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact stage of a two-stage selector: gather the shortlisted keys, score them with each sequence's query
-    (`retrieval.group_attention_mass`) and keep the `budget` best (`retrieval.select_among`).
-
-    One sequence at a time (a sequence's selection depends on it alone): its gathered keys stay small enough for
-    the allocator to reuse memory across calls, where one buffer for a whole batch (tens of MiB at 32K) would be
-    mapped fresh, page by page, every step.
-
-    Args:
-        store: the layer's host store; query: `(b, H_q, D)` float32; positions: `(b, H_kv, m)` int64 shortlisted
-            positions of the store's sequences `first_sequence, …`; usable: `(b, H_kv, m)` bool.
-
-    Returns:
-        `(indices, valid)`, both `(b, H_kv, budget)`, as `Selector.select`.
-    """
-    chosen = []
-    for row in range(query.shape[0]):
-        one = slice(row, row + 1)
-        keys = store.gather_keys(positions[one], first_sequence + row)
-        mass = group_attention_mass(query[one], keys, usable[one], scaling)
-        chosen.append(select_among(mass, positions[one], usable[one], budget))
-    return torch.cat([indices for indices, _ in chosen]), torch.cat([valid for _, valid in chosen])
-
-
 def require_block_multiples(config: Any, selector: str) -> None:
     """Raise `ValueError` unless every budget of `config` (budget, early_layer_budget, each `layer_budgets` entry)
-    is a multiple of `config.block_size` — for selectors that select whole blocks or pages."""
+    is a multiple of `config.block_size` — for selectors that select whole pages (`"quest"`)."""
     budgets = [("budget", config.budget), ("early_layer_budget", config.early_layer_budget),
                *[(f"layer_budgets[{i}]", b) for i, b in config.layer_budgets.items()]]
     for name, value in budgets:
