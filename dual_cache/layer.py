@@ -258,9 +258,11 @@ class DualLayer(CacheLayerMixin):
             self.submit_selection(self.prompt_query, committed=n)
         self.prompt_query = None
 
-    def _selection_job(self, query: torch.Tensor, committed: int, rows: list[int] | None = None):
+    def _selection_job(self, query: torch.Tensor, committed: int, rows: list[int] | None = None,
+                       exact: frozenset[int] = frozenset()):
         """The selector's retrieval job for `query` `(B, H_q, D)` (any device) among the candidates below
-        `committed - window`; `rows` selects for those sequences only (a repair)."""
+        `committed - window`; `rows` selects for those sequences only (a repair), `exact` of them by exact
+        scoring (`Selector.job`)."""
         end = max(0, committed - self.config.window)
         ready = None
         if query.device.type == "cuda":  # no host sync on the launch thread: the job waits for the copy's event
@@ -271,7 +273,7 @@ class DualLayer(CacheLayerMixin):
         else:
             host_query = query.detach().to("cpu", torch.float32)
         candidates = Candidates(self.sequences.candidates_below(end), self.sequences.first_real)
-        return self.selector.job(host_query, ready, candidates, self.scaling, rows)
+        return self.selector.job(host_query, ready, candidates, self.scaling, rows, exact)
 
     def submit_selection(self, query: torch.Tensor, committed: int) -> None:
         """Schedule the selection for the step whose committed length is `committed` tokens.
@@ -288,16 +290,24 @@ class DualLayer(CacheLayerMixin):
         shape = (batch, kv_heads, self.request_budget, self.host.head_dim)
         self.schedule.submit(self.layer_idx, self._selection_job(query, committed), shape, self.host.dtype)
 
-    def repair_selection(self, query: torch.Tensor, committed: int, rows: torch.Tensor) -> None:
+    def repair_selection(self, query: torch.Tensor, committed: int, rows: torch.Tensor,
+                         drifted: torch.Tensor | None = None) -> None:
         """Miss repair: re-select the running step's entries of `rows` with the real token's own query.
+
+        A sequence repaired for a miss is re-selected by the layer's selector; one repaired because its query
+        drifted (`repair_drift`) by exact selection over every candidate key (`Selector.select_exact`), whatever
+        the selector: drift repairs are rare (about 1% of hit (step, layer) pairs on the needle prompts) and are
+        the steps where an approximate index's misses cost an answer (docs/host-selection-engine.md).
 
         Args:
             query: `(B, H_q, D)` the real token's query at this layer (slot 0 of the step).
             committed: real tokens in the cache before the step (as in `submit_selection`).
             rows: `(B,)` bool host tensor, True for the sequences repaired (a miss, or a drifted query).
+            drifted: `(B,)` bool host tensor, True for the rows repaired for drift only; None: none.
         """
         subset = None if bool(rows.all()) else rows.nonzero().flatten().tolist()
-        self.schedule.repair(self.layer_idx, self._selection_job(query, committed, subset), rows)
+        exact = frozenset() if drifted is None else frozenset(drifted.nonzero().flatten().tolist())
+        self.schedule.repair(self.layer_idx, self._selection_job(query, committed, subset, exact), rows)
 
     def decode_segments(self, query: torch.Tensor, scaling: float,
                         rows: StepRows = StepRows()) -> tuple[list[KVSegment], int]:
@@ -325,26 +335,31 @@ class DualLayer(CacheLayerMixin):
                 self.submit_selection(query[:, :, 0], committed=n - q)
             selection = self.schedule.acquire(self.layer_idx)
             if selector.repairable and not selector.selects_everything(n - q - self.config.window):
-                repair, drifted = self._rows_to_repair(query[:, :, 0], rows)
+                repair, drift_only = self._rows_to_repair(query[:, :, 0], rows)
                 if repair is not None:
-                    self.repair_selection(query[:, :, 0], n - q, repair)
+                    self.repair_selection(query[:, :, 0], n - q, repair, drift_only)
+                drifted = int(drift_only is not None)
             segments.append(KVSegment(selection.keys, selection.values, selection.indices, selection.valid))
         ring_pos, ring_valid = self.sequences.ring_view(n, q, self.config.window, self.ring_size, self.device)
         segments.append(KVSegment(self.ring_keys, self.ring_values, ring_pos, ring_valid))
         return segments, drifted
 
-    def _rows_to_repair(self, real_query: torch.Tensor, rows: StepRows) -> tuple[torch.Tensor | None, int]:
+    def _rows_to_repair(self, real_query: torch.Tensor,
+                        rows: StepRows) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """`(B,)` bool host rows whose entries this layer re-selects with `real_query` `(B, H_q, D)`: `rows.repair`,
         plus the `rows.check` rows whose query drifted from the one that chose the entries (`repair_drift`); None
-        when there are none. The int is 1 when drift added rows."""
+        when there are none. The second tensor marks the rows drift added (those not in `rows.repair`), or is
+        None when it added none."""
         threshold = self.config.repair_drift
         if rows.check is None or threshold is None or self.selecting_query is None:
-            return rows.repair, 0
+            return rows.repair, None
         chooser = self.selecting_query.to(real_query.device, non_blocking=True)
         drifted = (query_drift(real_query, chooser, self.host.shape_prefix[1]) >= threshold).cpu() & rows.check
+        if rows.repair is not None:
+            drifted &= ~rows.repair
         if not drifted.any():
-            return rows.repair, 0
-        return (drifted if rows.repair is None else rows.repair | drifted), 1
+            return rows.repair, None
+        return (drifted if rows.repair is None else rows.repair | drifted), drifted
 
     def release(self) -> None:
         """The running step's attention at this layer is queued; its selection slot may be reused."""

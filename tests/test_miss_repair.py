@@ -188,16 +188,17 @@ def test_repairing_some_sequences_scores_only_them_with_the_same_result(monkeypa
 
     original_repair = DualLayer.repair_selection
 
-    def spy(self, query, committed, rows):
+    def spy(self, query, committed, rows, drifted=None):
         subsets.append(int(rows.sum()))
-        return original_repair(self, query, committed, rows)
+        return original_repair(self, query, committed, rows, drifted)
 
     monkeypatch.setattr(DualLayer, "repair_selection", spy)
     rows_out, rows_sel = run()
     assert any(0 < n < 3 for n in subsets)  # some repairs covered part of the batch
 
-    def whole_batch(self, query, committed, rows):  # the reference: score every sequence, copy the repaired rows
-        self.schedule.repair(self.layer_idx, self._selection_job(query, committed), rows)
+    def whole_batch(self, query, committed, rows, drifted=None):  # the reference: every sequence, repaired rows copied
+        exact = frozenset() if drifted is None else frozenset(drifted.nonzero().flatten().tolist())
+        self.schedule.repair(self.layer_idx, self._selection_job(query, committed, None, exact), rows)
 
     monkeypatch.setattr(DualLayer, "repair_selection", whole_batch)
     full_out, full_sel = run()

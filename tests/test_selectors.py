@@ -43,6 +43,34 @@ def _selector(name: str, store: HostKVStore, budget: int = 8) -> Selector:
     return SELECTORS[name](DualDecoderConfig(selector=name, lowbit_factor=2), budget, store, "cpu")
 
 
+@pytest.mark.parametrize("seed", [21, 22])
+def test_a_job_selects_its_exact_rows_as_the_exact_selector_and_the_others_by_its_own_index(seed):
+    """Drift repairs (`Selector.job(exact=...)`): those rows get exact selection's entries and K/V, the others the
+    index's, alone or mixed in one job."""
+    from dual_cache.schedule import Selection
+
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(3, 2, 300, 8, generator=g)
+    query = torch.randn(3, 4, 8, generator=g)
+    store = _store(keys)
+    lowbit, exact = _selector("lowbit", store), _selector("exact", store)
+    candidates = Candidates(torch.arange(280)[None, :].expand(3, 280) >= 2, torch.zeros(3, dtype=torch.long))
+
+    def run(selector, rows=None, exact_rows=frozenset()):
+        staging = Selection.empty(3, 2, 8, 8, keys.dtype, "cpu")
+        selector.job(query, None, candidates, 0.35, rows, frozenset(exact_rows))(staging)
+        return staging
+
+    by_index, by_exact = run(lowbit), run(exact)
+    assert not torch.equal(by_index.indices, by_exact.indices)  # the index's scan decides something here
+    for rows, exact_rows in ((None, {0, 1, 2}), (None, {1}), ([0, 2], {2})):
+        got = run(lowbit, rows, exact_rows)
+        for row in rows or range(3):
+            want = by_exact if row in exact_rows else by_index
+            for field in ("indices", "valid", "keys", "values"):
+                assert torch.equal(getattr(got, field)[row], getattr(want, field)[row]), (rows, exact_rows, row)
+
+
 @pytest.mark.parametrize("name", ["exact", "lowbit"])
 @pytest.mark.parametrize("seed", [9, 10])
 def test_one_sequence_selects_as_in_the_whole_batch_and_padding_never_moves_its_groups(seed, name):

@@ -13,6 +13,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
+from .. import engine
 from ..host_store import HostKVStore
 from ..schedule import Selection
 
@@ -157,7 +158,7 @@ class Selector:
         return indices, valid
 
     def job(self, query: torch.Tensor, ready: Any, candidates: Candidates, scaling: float,
-            rows: list[int] | None = None) -> Callable[[Selection], None]:
+            rows: list[int] | None = None, exact: frozenset[int] = frozenset()) -> Callable[[Selection], None]:
         """A retrieval job for the schedule: this selector's choice for `query`, then the gather of the chosen K/V.
 
         Args:
@@ -168,11 +169,14 @@ class Selector:
             scaling: the layer's softmax scale.
             rows: None selects for every sequence; a list selects for those sequences only, one at a time (a
                 sequence's selection depends on it alone; a repair), leaving the others' slots invalid at 0.
+            exact: the sequences (indices into the batch) selected by `select_exact` instead of this selector's
+                own policy: drift repairs (`repair_drift`).
 
         Returns:
             `job(staging)`, filling a host `Selection` of shape `(B, H_kv, budget[, D])` in place.
         """
         store = self.store
+        batch = query.shape[0]
 
         def run(staging: Selection) -> None:
             if ready is not None:
@@ -180,20 +184,36 @@ class Selector:
             if candidates.end == 0:
                 staging.indices.zero_()
                 staging.valid.zero_()
-            else:
-                store.wait_written()
-                if rows is None:
-                    indices, valid = self.select_into(query, candidates, scaling, (staging.keys, staging.values))
-                    staging.indices.copy_(indices)
-                    staging.valid.copy_(valid)
-                    return
-                indices, valid = staging.indices.zero_(), staging.valid.zero_()
-                for row in rows:
-                    one = slice(row, row + 1)
-                    indices[one], valid[one] = self.select(query[one], candidates.row(row), scaling)
+                return
+            store.wait_written()
+            every = rows is None and len(exact) in (0, batch)
+            if every:
+                out = (staging.keys, staging.values)
+                indices, valid = (self.select_exact(query, candidates, scaling, out) if exact
+                                  else self.select_into(query, candidates, scaling, out))
+                staging.indices.copy_(indices)
+                staging.valid.copy_(valid)
+                return
+            indices, valid = staging.indices.zero_(), staging.valid.zero_()
+            for row in range(batch) if rows is None else rows:
+                one = slice(row, row + 1)
+                select = self.select_exact if row in exact else self.select
+                indices[one], valid[one] = select(query[one], candidates.row(row), scaling)
             store.gather(staging.indices, out=(staging.keys, staging.values))
 
         return run
+
+    def select_exact(self, query: torch.Tensor, candidates: Candidates, scaling: float,
+                     out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `selector="exact"` chooses: top-`budget` by the GQA group's attention mass over every candidate key
+        (`dual_cache.engine.select` without an index), whatever this selector's policy; arguments and result as
+        `select`, and with `out` the gather of `select_into` in the same engine call. Raises `ValueError` for
+        rows outside the store's batch."""
+        self.store.first_row(candidates.first_sequence, query.shape[0])
+        keys = self.store.key_chunks(candidates.end, candidates.rows)
+        values = None if out is None else self.store.value_chunks(candidates.end, candidates.rows)
+        return engine.select(query.float().contiguous(), candidates.mask, keys, self.budget, scaling,
+                             values=values, out=out)
 
     @property
     def host_bytes(self) -> int:
