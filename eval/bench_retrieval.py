@@ -11,17 +11,20 @@ to every store, then runs every layer's retrieval job — the selector's choice 
 past the sink and before the local window, then the gather of the chosen K/V into a staging buffer — on a pool of
 `--pools` threads (1: one thread at torch's intra-op thread count; N > 1: N threads of one intra-op thread each, as
 `TransferSchedule` runs them). With `--shared-prefix`, the batch continues one stored sequence of `context` tokens
-(`HostKVStore.share`): every query is scored against the shared keys or index in one product. Distinct layers keep each selector's index out of the CPU caches as in decoding;
-the step time is scaled to `--layers` layers.
+(`HostKVStore.share`): exact selection scores every query against the shared keys in one product; lowbit scans
+each sequence's copy of the prefix's index. Distinct layers keep each selector's index out of the CPU caches as in
+decoding; the step time is scaled to `--layers` layers.
 
-Per row: `ms_per_step` (median over `--repeats`, after one warm-up), `ms_per_layer`, `key_mib_read_per_step` (key
-bytes a step reads: every key for `exact`; the scanned channels' codes, every group parameter, then the shortlisted
-keys and the uncovered tail whole for `lowbit`), `index_host_bytes` (per layer, beyond the K/V) and `index_fraction`
-(of the layer's K/V bytes), `build_ms_per_1k_tokens` (building the index over the prompt, per layer, per sequence),
-`effective_gbps` (key bytes read per second of selection), `host_read_gbps` (this host's read bandwidth at the same
-thread count, measured in the same run by a large reduction), `engine` (the native engine variant, or `torch` for
-`torch-exact`), and `exact / this` from the same run. Timings do not depend on key values; quality is
-measured on real keys by `dual_cache.eval.selection_recall`. Writes `<out>.json` and `<out>.md`.
+The selectors of a cell run side by side over the same stores, each step in a rotated order (a change in the host's
+load reaches them alike). Per row: `ms_per_step` (median over `--repeats` steps, after one warm-up), `ms_per_layer`,
+`key_mib_read_per_step` (key bytes a step reads: every key for `exact`; the scanned channels' codes, every group
+parameter, then the shortlisted keys and the uncovered tail whole for `lowbit`), `index_host_bytes` (per layer,
+beyond the K/V) and `index_fraction` (of the layer's K/V bytes), `build_ms_per_1k_tokens` (building the index over
+the prompt, per layer, per sequence), `effective_gbps` (key bytes read per second of selection), `host_read_gbps`
+(this host's read bandwidth at the same thread count, measured in the same run by a large reduction), `engine` (the
+native engine variant, or `torch` for `torch-exact`), and `exact / this` from the same run. Timings do not depend on
+key values; quality is measured on real keys by `dual_cache.eval.selection_recall`. Writes `<out>.json` and
+`<out>.md`.
 """
 
 from __future__ import annotations
@@ -77,23 +80,30 @@ def _store(batch: int, kv_heads: int, dim: int, tokens: int, capacity: int, dtyp
     return store
 
 
-def measure(context: int, batch: int, selector_name: str, pool: int, args: argparse.Namespace) -> dict:
-    """One cell: median wall seconds of one step's retrieval jobs over `args.distinct_layers` layers."""
+def measure(context: int, batch: int, selector_names: list[str], pool: int, args: argparse.Namespace) -> list[dict]:
+    """One cell per selector, timed side by side: every step runs each selector's jobs over the same stores, in an
+    order that rotates from step to step, so that a change in the host's load reaches every selector alike. A
+    row's `ms_per_step` is the median over the steps of its wall seconds for `args.distinct_layers` layers, scaled
+    to `args.layers`."""
     dtype = DTYPES[args.dtype]
-    config = DualDecoderConfig(selector="exact" if selector_name == TORCH_EXACT else selector_name, **args.options)
     steps = args.repeats + 1
     stored = 1 if args.shared_prefix else batch  # a shared prefix: one sequence's keys, continued by the batch
     stores = [_store(stored, args.kv_heads, args.head_dim, context, context + steps, dtype, seed=context + layer)
               for layer in range(args.distinct_layers)]
-    selectors = [SELECTORS[config.selector](config, args.budget, store, "cpu") for store in stores]
-    start = time.perf_counter()
-    for selector in selectors:
-        selector.extend(context, torch.zeros(stored, dtype=torch.long))
-    build = time.perf_counter() - start
+    selectors, build = {}, {}
+    for name in selector_names:
+        config = DualDecoderConfig(selector="exact" if name == TORCH_EXACT else name, **args.options)
+        selectors[name] = [SELECTORS[config.selector](config, args.budget, store, "cpu") for store in stores]
+        start = time.perf_counter()
+        for selector in selectors[name]:
+            selector.extend(context, torch.zeros(stored, dtype=torch.long))
+        build[name] = time.perf_counter() - start
     if args.shared_prefix:
-        for store, selector in zip(stores, selectors):
+        for store in stores:
             store.share(batch)
-            selector.share()
+        for name in selector_names:
+            for selector in selectors[name]:
+                selector.share()
     first_real = torch.zeros(batch, dtype=torch.long)
     query = torch.randn(batch, args.heads, args.head_dim, generator=torch.Generator().manual_seed(batch))
     staging = [[torch.empty(batch, args.kv_heads, args.budget, args.head_dim, dtype=dtype) for _ in range(2)]
@@ -101,50 +111,56 @@ def measure(context: int, batch: int, selector_name: str, pool: int, args: argpa
     scaling = args.head_dim ** -0.5
     extra = torch.randn(batch, args.kv_heads, 1, args.head_dim).to(dtype)
 
-    def job(layer: int, candidates: Candidates) -> None:
-        if selector_name == TORCH_EXACT:
+    def job(name: str, layer: int, candidates: Candidates) -> None:
+        if name == TORCH_EXACT:
             keys = stores[layer].key_chunks(candidates.end)
             indices, _ = torch_select(query, keys, candidates.mask, args.budget, scaling)
             stores[layer].gather(indices, out=staging[layer])
         else:  # selection and the gather of the chosen K/V (one engine call for the engine's selectors)
-            selectors[layer].select_into(query, candidates, scaling, staging[layer])
+            selectors[name][layer].select_into(query, candidates, scaling, staging[layer])
 
     executor = ThreadPoolExecutor(max_workers=pool, initializer=torch.set_num_threads if pool > 1 else None,
                                   initargs=(1,) if pool > 1 else ())
-    times = []
+    times = {name: [] for name in selector_names}
     try:
         for step in range(steps):
             for store in stores:
                 store.append(extra, extra)
             hi = context + step + 1 - args.window
             candidates = Candidates(torch.arange(hi)[None, :].expand(batch, hi) >= args.sink, first_real)
-            start = time.perf_counter()
-            for future in [executor.submit(job, layer, candidates) for layer in range(len(stores))]:
-                future.result()
-            if step:  # the first step warms up
-                times.append(time.perf_counter() - start)
+            shift = step % len(selector_names)
+            for name in selector_names[shift:] + selector_names[:shift]:
+                start = time.perf_counter()
+                for future in [executor.submit(job, name, layer, candidates) for layer in range(len(stores))]:
+                    future.result()
+                if step:  # the first step warms up
+                    times[name].append(time.perf_counter() - start)
     finally:
         executor.shutdown()
-    per_step = statistics.median(times) * args.layers / len(stores)
-    scanned, gathered = selectors[0].key_bytes_read(context - args.window)
-    read = stored * scanned + batch * gathered  # a shared prefix is scanned once for the whole batch
-    index_bytes = selectors[0].host_bytes
-    row = {
-        "context": context, "batch": batch, "selector": selector_name, "pool": pool,
-        "torch_threads": torch.get_num_threads() if pool == 1 else 1,
-        "ms_per_step": per_step * 1e3, "ms_per_layer": per_step * 1e3 / args.layers,
-        "key_mib_read_per_step": read * args.layers / 2**20,
-        "index_host_bytes": index_bytes, "index_fraction": index_bytes / stores[0].nbytes,
-        "build_ms_per_1k_tokens": build * 1e3 / len(stores) / stored / (context / 1000),
-        "effective_gbps": read / (per_step / args.layers) / 1e9,
-        "host_read_gbps": args.bandwidth[pool if pool > 1 else torch.get_num_threads()],
-        "engine": "torch" if selector_name == TORCH_EXACT else native.active_variant(),
-        "budget": args.budget, "dtype": args.dtype, "options": args.options, "shared_prefix": args.shared_prefix,
-    }
-    for selector, store in zip(selectors, stores):
-        selector.free()
+    rows = []
+    for name in selector_names:
+        per_step = statistics.median(times[name]) * args.layers / len(stores)
+        scanned, gathered = selectors[name][0].key_bytes_read(context - args.window)
+        read = stored * scanned + batch * gathered  # a shared prefix is scanned once for the whole batch
+        index_bytes = selectors[name][0].host_bytes
+        rows.append({
+            "context": context, "batch": batch, "selector": name, "pool": pool,
+            "torch_threads": torch.get_num_threads() if pool == 1 else 1,
+            "ms_per_step": per_step * 1e3, "ms_per_layer": per_step * 1e3 / args.layers,
+            "key_mib_read_per_step": read * args.layers / 2**20,
+            "index_host_bytes": index_bytes, "index_fraction": index_bytes / stores[0].nbytes,
+            "build_ms_per_1k_tokens": build[name] * 1e3 / len(stores) / stored / (context / 1000),
+            "effective_gbps": read / (per_step / args.layers) / 1e9,
+            "host_read_gbps": args.bandwidth[pool if pool > 1 else torch.get_num_threads()],
+            "engine": "torch" if name == TORCH_EXACT else native.active_variant(),
+            "budget": args.budget, "dtype": args.dtype, "options": args.options, "shared_prefix": args.shared_prefix,
+        })
+    for name in selector_names:
+        for selector in selectors[name]:
+            selector.free()
+    for store in stores:
         store.free()
-    return row
+    return rows
 
 
 def _num(value: float) -> str:
@@ -158,7 +174,8 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
         f"Host retrieval per decode step on this CPU: shape {args.heads} query / {args.kv_heads} KV heads × "
         f"{args.head_dim}, {args.layers} layers ({args.distinct_layers} distinct, scaled), {args.dtype}, budget "
         f"{args.budget}; options {json.dumps(args.options)}"
-        f"{'; the batch shares one stored prefix of `context` tokens' if args.shared_prefix else ''}. pool = retrieval threads (1: one thread at "
+        f"{'; the batch shares one stored prefix of `context` tokens' if args.shared_prefix else ''}. Selectors "
+        "timed side by side, in a rotating order per step. pool = retrieval threads (1: one thread at "
         f"{rows[0]['torch_threads'] if rows[0]['pool'] == 1 else 'torch default'} intra-op threads; N > 1: one "
         "intra-op thread each).", "",
         "| context | batch | selector | pool | ms/layer | ms/step | key MiB read/step | index / KV | build ms per 1K "
@@ -241,9 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     for context in args.contexts:
         for batch in args.batches:
             for pool in args.pools:
-                for selector in args.selectors:
-                    rows.append(measure(context, batch, selector, pool, args))
-                    print(json.dumps(rows[-1]), flush=True)
+                for row in measure(context, batch, list(dict.fromkeys(args.selectors)), pool, args):
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     table = markdown(rows, args)
     print(table)
     if args.out:

@@ -178,10 +178,26 @@ def test_a_shared_prefix_at_partial_budget_selects_per_sequence_with_repairs():
     _, indices, valid, _ = recorded[-1]
     rows = [set(indices[b][valid[b]].tolist()) for b in range(3)]
     assert rows[0] != rows[1] or rows[1] != rows[2]  # each request chooses its own entries
-    with DualDecoderCache(model.config, **options, selector="lowbit") as cache:  # its index is per sequence
+    with DualDecoderCache(model.config, **options, selector="quest", block_size=4) as cache:  # pages per sequence
         model.generate(document, max_new_tokens=1, do_sample=False, cache=cache)
         with pytest.raises(ValueError, match="cannot share"):
             model.generate(ids, attention_mask=mask, max_new_tokens=2, cache=cache)
+
+
+def test_a_shared_prefix_with_the_2bit_index_answers_as_each_sequence_with_its_own_copy():
+    """lowbit copies the prefix's index to every sequence on `share`: a batch continuing one stored document
+    decodes the same tokens as the same batch with the document stored per sequence (partial budget)."""
+    model = six_layer_llama(seed=17)
+    document, ids, mask = _shared_batch(18, prefix=400, lengths=(6, 12, 9))
+    options = {"budget": 16, "window": 8, "early_layers": 0, "selector": "lowbit", "lowbit_factor": 2}
+    with DualDecoderCache(model.config, **options) as cache:
+        model.generate(document, max_new_tokens=1, do_sample=False, cache=cache)
+        shared = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, cache=cache)
+        copied = cache.stats()["host_bytes"]
+    with DualDecoderCache(model.config, **options) as cache:
+        alone = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, cache=cache)
+        assert copied < cache.stats()["host_bytes"]  # the document's K/V are stored once
+    assert torch.equal(shared, alone)
 
 
 @pytest.mark.parametrize("seed", [14, 15])

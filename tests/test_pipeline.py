@@ -12,8 +12,9 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from dual_cache import DualDecoderCache, HostMemoryError, retrieval
+from dual_cache import DualDecoderCache, HostMemoryError
 from dual_cache.host_store import live_host_bytes
+from dual_cache.selectors.base import Selector
 from tests.conftest import record_selections, six_layer_llama
 
 
@@ -23,15 +24,24 @@ def _prompt(seed: int, length: int, batch: int = 1) -> torch.Tensor:
 
 @pytest.fixture
 def delayed_retrieval(monkeypatch):
-    """Random 0–4 ms delays before every selection on the retriever thread, to shake out ordering bugs."""
+    """Random 0–4 ms delays before every retrieval job (on the retriever thread when there is one), to shake out
+    ordering bugs."""
     rng = random.Random(1234)
-    select = retrieval.select
+    make_job = Selector.job
+    delayed = []
 
-    def slow_select(*args, **kwargs):
-        time.sleep(rng.random() * 0.004)
-        return select(*args, **kwargs)
+    def slow_job(self, *args, **kwargs):
+        run = make_job(self, *args, **kwargs)
 
-    monkeypatch.setattr(retrieval, "select", slow_select)
+        def slow_run(staging):
+            delayed.append(1)
+            time.sleep(rng.random() * 0.004)
+            run(staging)
+
+        return slow_run
+
+    monkeypatch.setattr(Selector, "job", slow_job)
+    return delayed
 
 
 @pytest.mark.parametrize("layers_in_flight, lookahead", [(1, 0), (2, 1), (3, 2), (6, 5)])
@@ -56,6 +66,7 @@ def test_pipeline_equals_synchronous_reference(delayed_retrieval, layers_in_flig
         assert layer_a == layer_b
         assert torch.equal(idx_a[ok_a], idx_b[ok_b]) and torch.equal(keys_a[ok_a], keys_b[ok_b])
     assert pipe_stats["steps"] == 11
+    assert len(delayed_retrieval) >= 2 * 11 * 5  # every job of both runs went through the delay
 
 
 def test_device_bytes_do_not_depend_on_context_length():

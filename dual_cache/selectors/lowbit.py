@@ -32,7 +32,7 @@ class LowBitSelector(Selector):
     """2-bit key index + exact rescoring, through the native engine (`lowbit_factor` sets the shortlist)."""
 
     name = "lowbit"
-    shares_prefix = False  # the index is per sequence
+    shares_prefix = True  # `share` copies the prefix's index to every sequence (the index is per sequence)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -125,14 +125,31 @@ class LowBitSelector(Selector):
             elif first >= 0:
                 self.n_groups[row] = min(self.n_groups[row], (length - first) // GROUP)
 
+    def share(self) -> None:
+        """Copy the stored sequence's index to every sequence of the batch that now continues it (the store keeps
+        the prefix's K/V once; each sequence's index grows on its own from here). The copies' bytes are checked
+        against the host-memory limit before the request starts (`DualDecoderCache.begin_request`)."""
+        batch = self.store.shape_prefix[0]
+        self.group_first = self.group_first[:1] * batch
+        self.n_groups = self.n_groups[:1] * batch
+        if self.packed is None:
+            return
+        self.claim_host((batch - 1) * (self.packed[0].nbytes + self.params[0].nbytes))
+        packed = host_tensor((batch, *self.packed.shape[1:]), torch.uint8)
+        params = host_tensor((batch, *self.params.shape[1:]), torch.bfloat16)
+        packed.copy_(self.packed.expand_as(packed))
+        params.copy_(self.params.expand_as(params))
+        self.packed, self.params = packed, params
+
     def key_bytes_read(self, end: int) -> tuple[int, int]:
-        """The codes and parameters of every complete group, then the shortlisted and uncovered keys whole."""
+        """The codes and parameters of every complete group, then the shortlisted and uncovered keys whole; all of
+        it read per sequence (each sequence scans its own copy of the index, also after `share`)."""
         kv_heads, dim, element = self.store.shape_prefix[1], self.store.head_dim, self.store.element_size
         groups = end // GROUP
         if self.shortlisted >= groups * GROUP:
             return super().key_bytes_read(end)
-        scanned = kv_heads * groups * (self.quads * 64 + self.dim_q * 4)  # chosen quads' codes; every parameter
-        return scanned, kv_heads * (self.shortlisted + end - groups * GROUP) * dim * element
+        codes = kv_heads * groups * (self.quads * 64 + self.dim_q * 4)  # chosen quads' codes; every parameter
+        return 0, codes + kv_heads * (self.shortlisted + end - groups * GROUP) * dim * element
 
     def select(self, query: torch.Tensor, candidates: Candidates, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         return self._select(query, candidates, scaling, None)
