@@ -12,6 +12,7 @@ import torch
 from conftest import tiny_gemma3, tiny_llama
 from dual_cache import DualDecoderCache
 from dual_cache.serving import GenerationOptions, Scheduler
+from dual_cache.serving.prefix import block_hashes, shared_prefix_length
 
 FULL = {"budget": 100_000, "retrieval_threads": 0}
 PARTIAL = {"budget": 16, "n_sink": 4, "window": 8, "early_layers": 0, "retrieval_threads": 0}
@@ -178,3 +179,50 @@ def test_bad_requests_are_refused_before_any_work():
             dense.add_request(torch.ones(5, dtype=torch.long), session="a")
     finally:
         dense.stop()
+
+
+def test_block_hashes_find_the_whole_blocks_every_prompt_starts_with():
+    gen = torch.Generator().manual_seed(31)
+    document = torch.randint(1, 96, (100,), generator=gen)
+    prompts = [torch.cat([document, torch.randint(1, 96, (n,), generator=gen)]) for n in (5, 17, 1)]
+    assert shared_prefix_length(prompts, 32) == 96  # 3 whole blocks of the 100 shared tokens
+    assert shared_prefix_length(prompts, 7) == 98
+    assert shared_prefix_length(prompts[:1], 32) == 0  # one prompt shares nothing
+    assert shared_prefix_length([document[:64], document[:64]], 32) == 32  # each keeps a token of its own
+    other = document.clone()
+    other[40] = 0 if int(other[40]) else 1
+    assert shared_prefix_length([document, other], 32) == 32  # the blocks after a difference never match
+    hashes = block_hashes(document, 32)
+    assert len(hashes) == 3 and hashes[:1] == block_hashes(document[:50], 32)
+    with pytest.raises(ValueError, match="block >= 1"):
+        block_hashes(document, 0)
+    with pytest.raises(ValueError, match="prefix_block"):
+        Scheduler(tiny_llama(seed=1), cache_config=FULL, prefix_block=-1)
+
+
+@pytest.mark.parametrize("config", [FULL, {**PARTIAL, "selector": "lowbit", "lowbit_factor": 2}],
+                         ids=["full-budget", "partial-budget-lowbit"])
+def test_a_cohort_sharing_a_document_stores_it_once_and_each_request_equals_it_alone(config):
+    model = tiny_llama(seed=32)
+    gen = torch.Generator().manual_seed(33)
+    document = torch.randint(1, 96, (150,), generator=gen)
+    prompts = [torch.cat([document, torch.randint(1, 96, (n,), generator=gen)]) for n in (9, 30, 4)]
+    new = [12, 5, 9]
+    scheduler = Scheduler(model, cache_config=config, max_batch=4, prefix_block=32)
+    try:
+        with scheduler._cond:  # queued together: one cohort (the dispatcher waits on this lock)
+            handles = [scheduler.add_request(p, GenerationOptions(max_tokens=n, temperature=0))
+                       for p, n in zip(prompts, new)]
+        assert all(h.wait(300) for h in handles)
+    finally:
+        scheduler.stop()
+    assert scheduler.counters["cohorts"] == 1 and scheduler.counters["shared_prefix_tokens"] == 128
+    assert scheduler.counters["prefilled_tokens"] == 128 + sum(p.numel() - 128 for p in prompts)
+    for prompt, n, handle in zip(prompts, new, handles):
+        assert handle.prefilled_tokens == prompt.numel() - 128
+        if config is FULL:
+            expected = model.generate(prompt[None], max_new_tokens=n, do_sample=False)
+        else:
+            expected = model.generate(prompt[None], max_new_tokens=n, do_sample=False, cache_implementation="dual",
+                                      cache_config=config)
+        assert handle.token_ids == expected[0, prompt.numel():].tolist()

@@ -41,6 +41,9 @@ def add_parser(sub) -> None:
     serve.add_argument("--max-host-bytes", type=int, default=None,
                        help="host bytes for running requests and idle sessions (default: what each cache finds "
                             "available)")
+    serve.add_argument("--prefix-block", type=int, default=256,
+                       help="tokens per block when looking for a prefix every request of a batch shares (stored "
+                            "once); 0: off")
     serve.add_argument("--dense", action="store_true", help="serve with the default DynamicCache instead")
     serve.set_defaults(func=cmd_serve)
 
@@ -56,9 +59,12 @@ def cmd_serve(args) -> int:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}.")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}.")
+    if args.prefix_block < 0:
+        raise ValueError(f"--prefix-block must be >= 0 (0: off), got {args.prefix_block}.")
     model, tokenizer = load_model(args.model)
     scheduler = Scheduler(model, tokenizer, cache_config=args.cache_config, dense=args.dense,
-                          max_batch=args.max_batch, max_host_bytes=args.max_host_bytes)
+                          max_batch=args.max_batch, max_host_bytes=args.max_host_bytes,
+                          prefix_block=args.prefix_block)
     try:
         uvicorn.run(create_app(scheduler, tokenizer, model_display_name(args.model)), host=args.host, port=args.port,
                     log_level="info")

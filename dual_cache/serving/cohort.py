@@ -114,6 +114,23 @@ class CohortStreamer:
         pass
 
 
+class PrefixStreamer:
+    """`generate()` streamer of a cohort's shared-prefix prefill: passes the turn after each prefill chunk and
+    drops the one token that call decodes (no client sees it)."""
+
+    def __init__(self, cohort: "Cohort") -> None:
+        self.cohort = cohort
+
+    def put(self, value: torch.Tensor) -> None:
+        pass
+
+    def prefill_chunk_done(self) -> None:
+        self.cohort.turnstile.pass_turn(self.cohort)
+
+    def end(self) -> None:
+        pass
+
+
 class Cohort:
     """Requests decoded as one batch by `generate()` on a thread of its own (see the module docstring).
 

@@ -10,7 +10,9 @@ A dispatcher thread admits queued requests whenever rows are free: the oldest ad
 requests that can share its batch (same sampling settings, no session) form a `Cohort`, up to `max_batch` rows in
 all. Cohorts take turns on the model one prefill chunk or decode step at a time (`cohort.py`). A request that names a
 session runs alone on that session's cache, which then idles in host memory until the session's next request
-(`sessions.py`). Tokens stream through each request's `RequestHandle`.
+(`sessions.py`). Tokens stream through each request's `RequestHandle`. When every request of a new dual cohort
+starts with the same whole blocks of `prefix_block` tokens (`prefix.py`: chained block hashes), that prefix is
+prefilled and stored once, and the cohort's batch continues it (`DualDecoderCache` sharing one stored sequence).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from ..cache import DualDecoderCache
 from ..config import DualDecoderConfig
 from ..decoding import cache_kwarg_name
 from ..host_memory import format_bytes
-from .cohort import Cohort, CohortStreamer, RowStops, Turnstile
+from ..selectors import SELECTORS
+from .cohort import Cohort, CohortStreamer, PrefixStreamer, RowStops, Turnstile
+from .prefix import shared_prefix_length
 from .requests import GenerationOptions, RequestHandle
 from .sessions import Session, SessionStore
 
@@ -44,22 +48,29 @@ class Scheduler:
         max_batch: batch rows decoding at once, all cohorts together.
         max_host_bytes: host bytes the running requests and idle sessions may hold in all (None: each cache checks
             the memory available when its request begins). Idle sessions are evicted least recently used past it.
+        prefix_block: tokens per block when looking for a prefix shared by every request of a new cohort (stored
+            once when at least one whole block is shared); 0 turns the search off. Admission still counts host
+            bytes as if nothing were shared (an upper bound).
 
     Raises:
         ValueError: for a bad option (before any thread starts).
     """
 
     def __init__(self, model, tokenizer=None, cache_config: DualDecoderConfig | dict | None = None,
-                 dense: bool = False, max_batch: int = 8, max_host_bytes: int | None = None) -> None:
+                 dense: bool = False, max_batch: int = 8, max_host_bytes: int | None = None,
+                 prefix_block: int = 256) -> None:
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}.")
+        if isinstance(prefix_block, bool) or not isinstance(prefix_block, int) or prefix_block < 0:
+            raise ValueError(f"prefix_block must be an integer >= 0 (0: no shared-prefix search), got "
+                             f"{prefix_block!r}.")
         if max_host_bytes is not None and max_host_bytes < 1:
             raise ValueError(f"max_host_bytes must be >= 1 or None, got {max_host_bytes!r}.")
         self.model, self.tokenizer, self.dense = model, tokenizer, dense
         self.dual_config = None if dense else (
             cache_config if isinstance(cache_config, DualDecoderConfig)
             else DualDecoderConfig.from_dict(cache_config or {}))
-        self.max_batch, self.max_host_bytes = max_batch, max_host_bytes
+        self.max_batch, self.max_host_bytes, self.prefix_block = max_batch, max_host_bytes, prefix_block
         self.max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
         self.sessions = SessionStore(max_host_bytes)
         self.turnstile = Turnstile()
@@ -73,7 +84,8 @@ class Scheduler:
         self._stopping = False
         self._recent: deque[tuple[float, int]] = deque()
         self.counters = {"requests": 0, "finished": 0, "output_tokens": 0, "prefilled_tokens": 0, "spec_hits": 0,
-                         "spec_steps": 0, "cohorts": 0, "session_resumes": 0, "cancelled": 0}
+                         "spec_steps": 0, "cohorts": 0, "session_resumes": 0, "cancelled": 0,
+                         "shared_prefix_tokens": 0}
         self.started = time.perf_counter()
         self.started_at = int(time.time())  # wall clock, for OpenAI's `created`
         self._dispatcher = threading.Thread(target=self._dispatch, name="dual-scheduler", daemon=True)
@@ -257,18 +269,26 @@ class Scheduler:
         cache = self._caches.get(cohort)
         keep = False
         try:
-            width = max(h.prompt.numel() for h in handles)
+            stored = 0 if cache is None else cache.get_seq_length()
+            shared = 0
+            sharing = cache is not None and not stored and SELECTORS[self.dual_config.selector].shares_prefix
+            if sharing and self.prefix_block:
+                shared = shared_prefix_length([h.prompt for h in handles], self.prefix_block)
+            width = shared + max(h.prompt.numel() - shared for h in handles)
             ids = torch.full((len(handles), width), self.pad_id, dtype=torch.long)
             mask = torch.zeros(len(handles), width, dtype=torch.long)
-            for row, handle in enumerate(handles):
-                ids[row, width - handle.prompt.numel():] = handle.prompt
-                mask[row, width - handle.prompt.numel():] = 1
-            stored = 0 if cache is None else cache.get_seq_length()
+            for row, handle in enumerate(handles):  # [shared prefix | left-padded rest of each prompt]
+                own = handle.prompt.numel() - shared
+                ids[row, :shared], mask[row, :shared] = handle.prompt[:shared], 1
+                ids[row, width - own:], mask[row, width - own:] = handle.prompt[shared:], 1
             if stored:
                 self.counters["session_resumes"] += 1
             for handle in handles:
-                handle.prefilled_tokens = handle.prompt.numel() - stored
+                handle.prefilled_tokens = handle.prompt.numel() - stored - shared
                 self.counters["prefilled_tokens"] += handle.prefilled_tokens
+            if shared:
+                self.counters["prefilled_tokens"] += shared
+                self.counters["shared_prefix_tokens"] += shared
             options = handles[0].options
             decode = None if self.tokenizer is None else (lambda t: self.tokenizer.decode(t, skip_special_tokens=True))
             kwargs: dict[str, Any] = dict(
@@ -287,6 +307,10 @@ class Scheduler:
                 kwargs[cache_kwarg_name(self.model)] = cache
             if all(h.cancel_requested for h in handles):
                 return
+            if shared:  # the shared prefix, prefilled and stored once; the batch continues it
+                self.model.generate(
+                    ids[:1, :shared], max_new_tokens=1, do_sample=False, temperature=None, top_p=None, top_k=None,
+                    streamer=PrefixStreamer(cohort), pad_token_id=self.pad_id, **{cache_kwarg_name(self.model): cache})
             self.model.generate(ids, **kwargs)
             keep = session is not None
         finally:
