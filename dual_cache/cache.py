@@ -189,9 +189,8 @@ class DualDecoderCache(Cache):
             reserve = input_tokens
             needed = self.host_bytes_needed(batch_size, tokens - stored, dtype, prompt_tokens=input_tokens - stored)
             if held != batch_size:  # a per-sequence index of the shared prefix is copied per sequence (`share`)
-                retrieving = sum(1 for layer in self.dual_layers if layer.budget > 0)
-                needed += retrieving * (batch_size - 1) * SELECTORS[self.dual_config.selector].host_bytes_for(
-                    self.dual_config, stored, self.kv_heads, self.head_dim, torch.empty((), dtype=dtype).element_size())
+                needed += (batch_size - 1) * sum(layer.selector.host_bytes for layer in self.dual_layers
+                                                 if layer.selector is not None)
         self.host_memory.check(
             needed, f"{batch_size} sequence(s) of {tokens} tokens ({len(self.dual_layers)} full-attention layers)"
         )

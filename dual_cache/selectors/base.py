@@ -130,8 +130,8 @@ class Selector:
     def share(self) -> None:
         """The store's one sequence became a prefix several sequences share (`HostKVStore.share`): what was
         indexed for it now serves every sequence. Only called when `shares_prefix`. A selector whose index is per
-        sequence copies it per sequence here; `DualDecoderCache.begin_request` has checked `host_bytes_for` the
-        stored tokens per added sequence against the host-memory limit."""
+        sequence copies it per sequence here; `DualDecoderCache.begin_request` has checked its `host_bytes` per added
+        sequence against the host-memory limit."""
 
     def select(
         self, query: torch.Tensor, candidates: Candidates, scaling: float

@@ -127,19 +127,19 @@ class LowBitSelector(Selector):
 
     def share(self) -> None:
         """Copy the stored sequence's index to every sequence of the batch that now continues it (the store keeps
-        the prefix's K/V once; each sequence's index grows on its own from here). The copies' bytes are checked
-        against the host-memory limit before the request starts (`DualDecoderCache.begin_request`)."""
+        the prefix's K/V once; each sequence's index grows on its own from here). The copies (the index as allocated,
+        every row) are checked against the host-memory limit before the request starts
+        (`DualDecoderCache.begin_request`)."""
         batch = self.store.shape_prefix[0]
+        if self.packed is not None:  # allocate (and claim) first: a HostMemoryError leaves the index as it was
+            self.claim_host((batch - 1) * (self.packed[0].nbytes + self.params[0].nbytes))
+            packed = host_tensor((batch, *self.packed.shape[1:]), torch.uint8)
+            params = host_tensor((batch, *self.params.shape[1:]), torch.bfloat16)
+            packed.copy_(self.packed.expand_as(packed))
+            params.copy_(self.params.expand_as(params))
+            self.packed, self.params = packed, params
         self.group_first = self.group_first[:1] * batch
         self.n_groups = self.n_groups[:1] * batch
-        if self.packed is None:
-            return
-        self.claim_host((batch - 1) * (self.packed[0].nbytes + self.params[0].nbytes))
-        packed = host_tensor((batch, *self.packed.shape[1:]), torch.uint8)
-        params = host_tensor((batch, *self.params.shape[1:]), torch.bfloat16)
-        packed.copy_(self.packed.expand_as(packed))
-        params.copy_(self.params.expand_as(params))
-        self.packed, self.params = packed, params
 
     def key_bytes_read(self, end: int) -> tuple[int, int]:
         """The codes and parameters of every complete group, then the shortlisted and uncovered keys whole; all of

@@ -41,9 +41,9 @@ def add_parser(sub) -> None:
     serve.add_argument("--max-host-bytes", type=int, default=None,
                        help="host bytes for running requests and idle sessions (default: what each cache finds "
                             "available)")
-    serve.add_argument("--prefix-block", type=int, default=256,
+    serve.add_argument("--prefix-block", type=int, default=0,
                        help="tokens per block when looking for a prefix every request of a batch shares (stored "
-                            "once); 0: off")
+                            "once); 0: off (docs/serving.md: what it changes at a partial budget)")
     serve.add_argument("--dense", action="store_true", help="serve with the default DynamicCache instead")
     serve.set_defaults(func=cmd_serve)
 

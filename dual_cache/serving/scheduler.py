@@ -10,8 +10,8 @@ A dispatcher thread admits queued requests whenever rows are free: the oldest ad
 requests that can share its batch (same sampling settings, no session) form a `Cohort`, up to `max_batch` rows in
 all. Cohorts take turns on the model one prefill chunk or decode step at a time (`cohort.py`). A request that names a
 session runs alone on that session's cache, which then idles in host memory until the session's next request
-(`sessions.py`). Tokens stream through each request's `RequestHandle`. When every request of a new dual cohort
-starts with the same whole blocks of `prefix_block` tokens (`prefix.py`: chained block hashes), that prefix is
+(`sessions.py`). Tokens stream through each request's `RequestHandle`. With `prefix_block`, when every request of a
+new dual cohort starts with the same whole blocks of `prefix_block` tokens (`prefix.py`: chained block hashes), that prefix is
 prefilled and stored once, and the cohort's batch continues it (`DualDecoderCache` sharing one stored sequence).
 """
 
@@ -29,6 +29,7 @@ from ..cache import DualDecoderCache
 from ..config import DualDecoderConfig
 from ..decoding import cache_kwarg_name
 from ..host_memory import format_bytes
+from ..layer_types import SLIDING_ATTENTION, resolve_layer_types
 from ..selectors import SELECTORS
 from .cohort import Cohort, CohortStreamer, PrefixStreamer, RowStops, Turnstile
 from .prefix import shared_prefix_length
@@ -49,8 +50,10 @@ class Scheduler:
         max_host_bytes: host bytes the running requests and idle sessions may hold in all (None: each cache checks
             the memory available when its request begins). Idle sessions are evicted least recently used past it.
         prefix_block: tokens per block when looking for a prefix shared by every request of a new cohort (stored
-            once when at least one whole block is shared); 0 turns the search off. Admission still counts host
-            bytes as if nothing were shared (an upper bound).
+            once when at least one whole block is shared); 0 (the default) turns the search off. Admission still
+            counts host bytes as if nothing were shared (an upper bound). At full budget each request's tokens
+            equal its solo run; at a partial budget they may not: the padding between the prefix and a shorter
+            request's own tokens counts as positions of its local window (docs/serving.md).
 
     Raises:
         ValueError: for a bad option (before any thread starts).
@@ -58,7 +61,7 @@ class Scheduler:
 
     def __init__(self, model, tokenizer=None, cache_config: DualDecoderConfig | dict | None = None,
                  dense: bool = False, max_batch: int = 8, max_host_bytes: int | None = None,
-                 prefix_block: int = 256) -> None:
+                 prefix_block: int = 0) -> None:
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}.")
         if isinstance(prefix_block, bool) or not isinstance(prefix_block, int) or prefix_block < 0:
@@ -274,6 +277,11 @@ class Scheduler:
             sharing = cache is not None and not stored and SELECTORS[self.dual_config.selector].shares_prefix
             if sharing and self.prefix_block:
                 shared = shared_prefix_length([h.prompt for h in handles], self.prefix_block)
+                shared = shared if shared >= self.dual_config.n_sink else 0  # the sink lies in the prefix
+                own = [h.prompt.numel() - shared for h in handles]
+                total = shared + max(own) + max(h.options.max_tokens for h in handles) + 1
+                if max(own) != min(own) and SLIDING_ATTENTION in resolve_layer_types(cache.text_config, total):
+                    shared = 0  # a sliding window counts the pads after the prefix: a row would see fewer tokens
             width = shared + max(h.prompt.numel() - shared for h in handles)
             ids = torch.full((len(handles), width), self.pad_id, dtype=torch.long)
             mask = torch.zeros(len(handles), width, dtype=torch.long)
@@ -308,9 +316,14 @@ class Scheduler:
             if all(h.cancel_requested for h in handles):
                 return
             if shared:  # the shared prefix, prefilled and stored once; the batch continues it
+                # layer types (sliding windows served as full attention or not) are fixed for the whole cohort
+                cache.max_cache_len = width + kwargs["max_new_tokens"] + 1
                 self.model.generate(
-                    ids[:1, :shared], max_new_tokens=1, do_sample=False, temperature=None, top_p=None, top_k=None,
-                    streamer=PrefixStreamer(cohort), pad_token_id=self.pad_id, **{cache_kwarg_name(self.model): cache})
+                    ids[:1, :shared], attention_mask=mask[:1, :shared], max_new_tokens=1, do_sample=False,
+                    temperature=None, top_p=None, top_k=None, streamer=PrefixStreamer(cohort),
+                    pad_token_id=self.pad_id, **{cache_kwarg_name(self.model): cache})
+                if all(h.cancel_requested for h in handles):
+                    return
             self.model.generate(ids, **kwargs)
             keep = session is not None
         finally:
