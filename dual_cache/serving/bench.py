@@ -54,7 +54,8 @@ def run_scheduler(model, requests, args, dense: bool) -> list[dict]:
     from .requests import GenerationOptions
     from .scheduler import Scheduler
 
-    scheduler = Scheduler(model, cache_config=args.cache_config, dense=dense, max_batch=args.max_batch)
+    scheduler = Scheduler(model, cache_config=args.cache_config, dense=dense, max_batch=args.max_batch,
+                          prefix_block=0 if dense else args.prefix_block)
     per_token = _kv_bytes_per_token(model)
     peak = {"device": 0, "host": 0}
     done = threading.Event()
@@ -221,6 +222,8 @@ def add_parser(sub) -> None:
     p.add_argument("--rate", type=float, default=1.0, help="arrivals per second (Poisson)")
     p.add_argument("--context", type=int, default=1024, help="prompt tokens per request")
     p.add_argument("--shared-prefix", action="store_true", help="prompts share all but their last 64 tokens")
+    p.add_argument("--prefix-block", type=int, default=0,
+                   help="the dual server's shared-prefix search (Scheduler prefix_block; 0: off)")
     p.add_argument("--min-new", type=int, default=4)
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=8)
@@ -240,6 +243,8 @@ def cmd_bench_serve(args) -> int:
         problems.append("--rate must be > 0")
     if args.context < 128:
         problems.append("--context must be >= 128")
+    if args.prefix_block < 0:
+        problems.append("--prefix-block must be >= 0")
     if problems:
         raise ValueError("; ".join(problems) + ".")
     from ..models import load_model, model_display_name
