@@ -187,3 +187,19 @@ def test_generate_with_the_index_full_budget_threads_and_host_bytes():
     index_bytes = stats["host_bytes"] - exact.stats()["host_bytes"]
     assert 0 < index_bytes <= 0.1 * exact.stats()["host_bytes"]  # the 2-bit codes and group parameters: 7.8%
     assert stats["repairs"] > 0  # miss repair selects through the index too (random weights miss often)
+
+
+def test_the_2bit_index_claims_what_it_holds_as_it_grows_and_is_shared():
+    """Host-memory accounting follows the index through reallocations and `share` (no claim left behind)."""
+    g = torch.Generator().manual_seed(24)
+    store = _store(torch.randn(1, 2, 130, 8, generator=g))
+    claimed = []
+    selector = SELECTORS["lowbit"](DualDecoderConfig(selector="lowbit"), 8, store, "cpu", claim_host=claimed.append)
+    selector.extend(130, torch.zeros(1, dtype=torch.long))
+    store.share(3)
+    selector.share()
+    for _ in range(4):  # each sequence's own groups: the index grows past its first allocation
+        extra = torch.randn(3, 2, 64, 8, generator=g)
+        store.append(extra, extra)
+        selector.extend(store.length, torch.zeros(3, dtype=torch.long))
+    assert selector.n_groups == [6, 6, 6] and sum(claimed) == selector.host_bytes

@@ -75,7 +75,7 @@ class LowBitSelector(Selector):
         batch, kv_heads = self.store.shape_prefix
         capacity = max(groups, -(-self.store.capacity // GROUP), 2 * have)
         nbytes = batch * kv_heads * capacity * self.dim_q * (16 + 4)
-        self.claim_host(nbytes)
+        self.claim_host(nbytes - self.host_bytes)  # what the index grows by (the old tensors are freed below)
         packed = host_tensor((batch, kv_heads, capacity, 16 * self.dim_q), torch.uint8)
         params = host_tensor((batch, kv_heads, capacity, 2, self.dim_q), torch.bfloat16)
         if self.packed is not None:
