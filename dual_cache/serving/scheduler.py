@@ -11,8 +11,9 @@ requests that can share its batch (same sampling settings, no session) form a `C
 all. Cohorts take turns on the model one prefill chunk or decode step at a time (`cohort.py`). A request that names a
 session runs alone on that session's cache, which then idles in host memory until the session's next request
 (`sessions.py`). Tokens stream through each request's `RequestHandle`. With `prefix_block`, when every request of a
-new dual cohort starts with the same whole blocks of `prefix_block` tokens (`prefix.py`: chained block hashes), that prefix is
-prefilled and stored once, and the cohort's batch continues it (`DualDecoderCache` sharing one stored sequence).
+new dual cohort starts with the same whole blocks of `prefix_block` tokens (`prefix.py`: chained block hashes), that
+prefix is prefilled and stored once, and the cohort's batch continues it (`DualDecoderCache` sharing one stored
+sequence).
 """
 
 from __future__ import annotations
