@@ -177,6 +177,34 @@ def test_a_compiler_that_fails_falls_back_to_the_reference_with_one_warning(monk
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
+@pytest.mark.skipif(len(VARIANTS) < 2, reason="this CPU runs only the scalar variant")
+def test_a_variant_that_fails_to_build_gives_the_next_best_with_one_warning(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_resolved", {})
+    monkeypatch.setattr(native, "_failure", None)
+    monkeypatch.setattr(native, "_warned", False)
+    monkeypatch.setenv("DUAL_CACHE_ENGINE_DIR", str(tmp_path))
+    best, next_best = VARIANTS[-1], VARIANTS[-2]
+    build = native._build
+
+    def failing_build(variant):
+        if variant == best:
+            raise RuntimeError(f"g++ failed building the {variant} engine")
+        return build(variant)
+
+    monkeypatch.setattr(native, "_build", failing_build)
+    query, mask, keys, index = _problem(8, 2, 2, 2, 32, 400, torch.float32)
+    with pytest.warns(RuntimeWarning, match=f"runs the {next_best} variant"):
+        got = engine.select(query, mask, keys, 16, 0.2, index, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        engine.select(query, mask, keys, 16, 0.2, index, 32)
+    assert native.active_variant() == next_best
+    view = (index.packed, index.params, index.group_first, index.usable(mask.shape[1]))
+    expected = reference.select(query, mask, keys, 16, 0.2, view, 32)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
 def test_bad_options_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="lowbit_factor"):
         DualDecoderConfig(selector="lowbit", lowbit_factor=0)

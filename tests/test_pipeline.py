@@ -4,6 +4,7 @@ lifecycle on every exit path, the host capacity check, telemetry."""
 import gc
 import json
 import random
+import sys
 import threading
 import time
 
@@ -207,3 +208,42 @@ def test_gpu_check_script_correctness_part_runs_on_cpu():
 
     results = check_correctness(torch.device("cpu"), tiny=True)
     assert len(results) == 3 and all(r["passed"] for r in results), results
+
+
+@pytest.fixture
+def nan_filled_buffers(monkeypatch):
+    """Every float buffer dual_cache allocates with `torch.empty` starts as NaN (bool buffers True), as memory that
+    an earlier request freed may: nothing the cache has not written may reach attention."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        tensor = empty(*args, **kwargs)
+        if sys._getframe(1).f_globals.get("__name__", "").startswith("dual_cache"):
+            if tensor.is_floating_point():
+                tensor.fill_(float("nan"))
+            elif tensor.dtype == torch.bool:
+                tensor.fill_(True)
+        return tensor
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+@pytest.mark.parametrize("length, budget", [(20, 100_000), (20, 12), (160, 100_000), (160, 12)])
+def test_memory_the_cache_never_wrote_never_reaches_attention(nan_filled_buffers, length, budget):
+    """Prompts shorter than sink + window (no position to select: every selection slot unused) and longer ones, in a
+    left-padded batch, at full and partial budget, with and without a retrieval thread."""
+    model = six_layer_llama(seed=42)
+    ids = _prompt(43, length, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, : length // 3] = 0
+    dense = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    for threads in (0, 1):
+        cache = DualDecoderCache(model.config, budget=budget, n_sink=4, window=32, retrieval_threads=threads)
+        tokens = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, cache=cache)
+        if budget == 100_000:
+            assert torch.equal(tokens, dense)
+        else:
+            reference = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                       cache=DualDecoderCache(model.config, budget=budget, n_sink=4, window=32,
+                                                              retrieval_threads=0))
+            assert torch.equal(tokens, reference)

@@ -135,13 +135,10 @@ def library(variant: str | None = None) -> ctypes.CDLL | None:
         return _resolved[wanted]
     if wanted == "auto":
         if _failure is None:
-            try:
-                best = supported_variants()[-1]
-                with _lock:
-                    _resolved["auto"] = _load(best)
-                return _resolved["auto"]
-            except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-                _failure = str(error)
+            lib = _best_loadable()
+            if lib is not None:
+                _resolved["auto"] = lib
+                return lib
         if not _warned:
             _warned = True
             warnings.warn(f"dual-cache: the native selection engine is unavailable ({_failure}); host selection "
@@ -155,6 +152,33 @@ def library(variant: str | None = None) -> ctypes.CDLL | None:
     return _resolved[wanted]
 
 
+def _best_loadable() -> ctypes.CDLL | None:
+    """The best variant this CPU runs that builds and loads; a better one that fails is skipped with one warning
+    naming it (so a compiler without, say, AVX-512 support still gives the AVX2 engine). None, with `_failure` set,
+    when no variant loads."""
+    global _failure
+    failed = []
+    try:
+        candidates = supported_variants()
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        _failure = str(error)
+        return None
+    for name in reversed(candidates):
+        try:
+            with _lock:
+                lib = _load(name)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+            failed.append(f"{name}: {error}")
+            continue
+        if failed:
+            warnings.warn(f"dual-cache: the native engine's better variants could not be built ({'; '.join(failed)}); "
+                          f"host selection runs the {name} variant (same selections, slower).", RuntimeWarning,
+                          stacklevel=4)
+        return lib
+    _failure = "; ".join(failed)
+    return None
+
+
 def active_variant() -> str:
     """The name of what host selection runs now: a variant, or `reference`."""
     lib = library()
@@ -165,11 +189,15 @@ def main() -> int:
     """Build every variant this CPU runs and print which one is used (`python -m dual_cache.engine`)."""
     try:
         variants = supported_variants()
-        for name in variants:
-            _build(name)
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         print(f"native selection engine not built ({error}); the pure-torch reference will run", file=sys.stderr)
         return 0
-    print(f"native selection engine built in {build_dir()}: variants {variants}, using {variants[-1]}")
+    built = []
+    for name in variants:
+        try:
+            _build(name)
+            built.append(name)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+            print(f"the {name} variant of the native selection engine was not built ({error})", file=sys.stderr)
+    print(f"native selection engine built in {build_dir()}: variants {built}, using {built[-1]}")
     return 0
-

@@ -202,6 +202,16 @@ void dots_dispatch(int64_t g, const float* q, const float* row, int64_t dim_pad,
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// tree_sum of 16 lanes held in two 8-lane registers (lanes 0-7 and 8-15): the same additions in the same order
+inline float tree_sum8x2(__m256 lo, __m256 hi) {
+  const __m256 t8 = _mm256_add_ps(lo, hi);  // lanes j + j+8
+  const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+  const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+  return _mm_cvtss_f32(_mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1)));
+}
+#endif
+
 // Scaled logits of one key row (stored type) with G query rows: the dots_lanes arithmetic (16 lanes, fma in channel
 // order, the same tree), with SIMD loads converting the stored type in registers. Returns false where this build
 // has no SIMD path (the caller then converts the row and calls dots_dispatch).
@@ -300,14 +310,6 @@ inline bool simd_block_logits(const void* const* rows, int key_type, const float
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
-// The AVX-512 path's arithmetic with 16 lanes held in two 8-lane registers (lanes 0-7 and 8-15).
-inline float tree_sum8x2(__m256 lo, __m256 hi) {
-  const __m256 t8 = _mm256_add_ps(lo, hi);  // lanes j + j+8
-  const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
-  const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
-  return _mm_cvtss_f32(_mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1)));
-}
-
 template <int KT>
 inline __m256 load8(const void* row, int64_t d) {
   if (KT == F32) return _mm256_loadu_ps(static_cast<const float*>(row) + d);

@@ -110,5 +110,7 @@ def sparse_decode_attention_reference(
         logits = torch.tanh(logits / softcap) * softcap
     logits = logits.masked_fill(~allowed[:, :, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # all-masked rows give NaN → 0
+    # an entry no query may attend holds bytes nobody wrote (an unused slot): a zero weight times NaN is NaN
+    values = values.masked_fill(~allowed.any(dim=2)[..., None], 0.0)
     out = torch.einsum("bhgqs,bhsd->bhgqd", probs, values)
     return out.reshape(batch, q_heads, q_len, dim).to(query.dtype)

@@ -183,9 +183,9 @@ class Selector:
         def run(staging: Selection) -> None:
             if ready is not None:
                 ready.synchronize()
-            if candidates.end == 0:
-                staging.indices.zero_()
-                staging.valid.zero_()
+            if candidates.end == 0:  # every slot invalid; its K/V zeroed too, as a slot's bytes reach attention
+                for tensor in (staging.indices, staging.valid, staging.keys, staging.values):
+                    tensor.zero_()
                 return
             store.wait_written()
             every = rows is None and len(exact) in (0, batch)
