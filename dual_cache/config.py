@@ -59,13 +59,14 @@ class DualDecoderConfig:
             results/needle/ (docs/benchmarks.md). On CUDA each check reads a `(B,)` flag back to the host per layer (a
             synchronization point).
         selector: how each step's entries are chosen (`dual_cache.selectors`, one class per value):
-            `"exact"` top-k over every host key (the reference), scored by the native engine; `"lowbit"` a 2-bit
-            copy of every key on the host, scanned by the native engine to shortlist `lowbit_factor × budget`
-            positions that are rescored exactly (`selectors/lowbit.py`); `"oracle"` the real token's own exact
-            top-k, synchronously at the step that uses it (evaluation upper bound only); `"quest"` the Quest
-            baseline (Tang et al., 2024): pages of `block_size` tokens ranked by a min/max key bound against the
-            real token's query at the step that uses it; its page metadata counts as device bytes (evaluation
-            baseline). Any other value raises `ValueError` listing these.
+            `"lowbit"` (the default) a 2-bit copy of every key on the host, scanned by the native engine to
+            shortlist `lowbit_factor × budget` positions that are rescored exactly (`selectors/lowbit.py`);
+            `"exact"` top-k over every host key (the reference it is tested against), scored by the native
+            engine; `"oracle"` the real token's own exact top-k, synchronously at the step that uses it
+            (evaluation upper bound only); `"quest"` the Quest baseline (Tang et al., 2024): pages of
+            `block_size` tokens ranked by a min/max key bound against the real token's query at the step that
+            uses it; its page metadata counts as device bytes (evaluation baseline). Any other value raises
+            `ValueError` listing these.
         lowbit_factor: `selector="lowbit"`: positions per KV head the 2-bit key scan shortlists for exact
             rescoring, as a multiple of the budget.
         lowbit_channels: `selector="lowbit"`: fraction of the channel quads (4 channels each) whose codes the scan
@@ -103,7 +104,7 @@ class DualDecoderConfig:
     speculator: str = "self"
     miss_repair: bool = True
     repair_drift: float | None = 0.4
-    selector: str = "exact"
+    selector: str = "lowbit"
     lowbit_factor: int = 8
     lowbit_channels: float = 0.25
     retrieval_threads: int | None = None

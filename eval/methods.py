@@ -3,12 +3,12 @@
 | method | budget | cache |
 |---|---|---|
 | `dense` | null | transformers' default `DynamicCache` (no `cache_implementation`) |
-| `dual` | b | `cache_config={"budget": b, "miss_repair": True}` (speculated-token selection, mis-speculated steps, and layers of hit steps whose real query drifted (`repair_drift` 0.4), re-selected with the real token's query; default sink 4, window 64, and the first 2 layers retrieve `max(b, 1024)`) |
+| `dual` | b | `cache_config={"budget": b, "miss_repair": True}` (speculated-token selection by the default selector, `lowbit` since 2026-12-04 and `exact` in rows written before, mis-speculated steps, and layers of hit steps whose real query drifted (`repair_drift` 0.4), re-selected with the real token's query; default sink 4, window 64, and the first 2 layers retrieve `max(b, 1024)`) |
 | `dual-no-repair` | b | `{"budget": b, "miss_repair": False}`: speculated-token selection only (the paper's method) |
 | `dual-none` | b | `{"budget": b, "speculator": "none"}`: the previous real token's selection (what speculation buys) |
 | `oracle` | b | `{"budget": b, "selector": "oracle"}`: the real token's own top-k (upper bound) |
 | `streaming` | 0 | `{"budget": 0, "early_layers": 0, "speculator": "none"}`: StreamingLLM-style sink + window only |
-| `dual-exact` | b | `dual` with exact top-k over every key |
+| `dual-exact` | b | `dual` with exact top-k over every key (the default selector before 2026-12-04) |
 | `dual-lowbit` | b | `dual` with the 2-bit key index and exact rescoring of `lowbit_factor × b` positions |
 | `quest` | b | `{"budget": b, "selector": "quest", "block_size": 16, "speculator": "none"}`: Quest-style pages ranked by min/max key bounds |
 

@@ -5,7 +5,7 @@ from dual_cache import DualDecoderConfig
 
 def test_defaults_are_valid():
     config = DualDecoderConfig()
-    assert config.budget == 256 and config.speculator == "self" and config.selector == "exact"
+    assert config.budget == 256 and config.speculator == "self" and config.selector == "lowbit"
 
 
 @pytest.mark.parametrize(

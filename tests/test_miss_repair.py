@@ -27,7 +27,7 @@ def test_repair_on_every_step_reproduces_the_oracle_selector(always_miss, thread
             "retrieval_threads": threads, "layer_budgets": {3: 0}}
     kwargs = dict(max_new_tokens=12, do_sample=False, bad_words_ids=[[NEVER]])
     runs = {}
-    for name, options in (("repair", {}), ("oracle", {"selector": "oracle"})):
+    for name, options in (("repair", {"selector": "exact"}), ("oracle", {"selector": "oracle"})):
         cache = DualDecoderCache(model.config, **base, **options)
         recorded = record_selections(cache, at="release")
         runs[name] = (model.generate(ids, cache=cache, **kwargs), recorded, cache.stats())
@@ -115,7 +115,7 @@ def test_zero_drift_threshold_repairs_every_step_like_the_oracle(threads):
     ids = torch.randint(3, 90, (2, 300), generator=torch.Generator().manual_seed(14))
     base = {"budget": 16, "n_sink": 4, "window": 8, "early_layers": 0, "retrieval_threads": threads}
     runs = {}
-    for name, options in (("drift0", {"repair_drift": 0.0}), ("oracle", {"selector": "oracle"})):
+    for name, options in (("drift0", {"repair_drift": 0.0, "selector": "exact"}), ("oracle", {"selector": "oracle"})):
         cache = DualDecoderCache(model.config, **base, **options)
         recorded = record_selections(cache, at="release")
         runs[name] = (model.generate(ids, cache=cache, max_new_tokens=12, do_sample=False), recorded, cache.stats())

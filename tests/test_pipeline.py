@@ -135,20 +135,24 @@ def test_fifty_generate_calls_leave_threads_and_host_bytes_at_baseline():
     assert live_host_bytes() == host
 
 
-def test_host_capacity_check_raises_before_allocating():
+@pytest.mark.parametrize("selector", ["exact", "lowbit"])
+def test_host_capacity_check_raises_before_allocating(selector):
     model = six_layer_llama(seed=45)
     ids = _prompt(46, 300, batch=2)
     threads, host = threading.active_count(), live_host_bytes()
     # a first request's stores are sized to it at once: 300 prompt + 8 new tokens + the speculated one;
     # needed: 6 layers × 2 (K, V) × 2 seqs × 2 heads × 309 tokens × 16 dims × 4 bytes
     needed = 6 * 2 * 2 * 2 * (300 + 8 + 1) * 16 * 4
+    if selector == "lowbit":  # + the 2-bit index: per layer, sequence and KV head, 5 groups of 64 tokens, each
+        needed += 6 * 2 * 2 * 5 * (16 * 16 + 2 * 16 * 2)  # 2-bit codes of 16 channels + bf16 min and step
+    config = {"host_chunk_tokens": 128, "selector": selector}
     with pytest.raises(HostMemoryError, match="max_host_bytes") as error:
         model.generate(ids, max_new_tokens=8, cache_implementation="dual",
-                       cache_config={"host_chunk_tokens": 128, "max_host_bytes": needed - 1})
+                       cache_config={**config, "max_host_bytes": needed - 1})
     assert f"{needed:,} bytes" in str(error.value)
     assert live_host_bytes() == host and threading.active_count() == threads
     out = model.generate(ids, max_new_tokens=8, cache_implementation="dual", return_dict_in_generate=True,
-                         cache_config={"host_chunk_tokens": 128, "max_host_bytes": needed})
+                         cache_config={**config, "max_host_bytes": needed})
     assert out.cache.stats()["host_bytes"] == needed
 
 
