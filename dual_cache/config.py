@@ -128,7 +128,11 @@ class DualDecoderConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> "DualDecoderConfig":
-        """Build from a `cache_config` dict as passed to `generate()`; unknown keys raise `ValueError`."""
+        """Build from a `cache_config` dict as passed to `generate()`; unknown keys or anything but a mapping raise
+        `ValueError`."""
+        if values is not None and not isinstance(values, Mapping):
+            raise ValueError(f"cache_config must be a dict of DualDecoderConfig fields (e.g. {{'budget': 256}}) or a "
+                             f"DualDecoderConfig, got {type(values).__name__} {values!r}.")
         values = dict(values or {})
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)

@@ -3,6 +3,7 @@ shipped as PyPI packages (`NAMED_MODELS`, e.g. `"gemma3-270m"`), local folders, 
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -112,19 +113,37 @@ def load_model(name_or_path: str | None = None, dtype: torch.dtype = torch.float
     Raises:
         ModelNotInstalledError: a named model whose package is not installed (the message gives the install
             command).
+        FileNotFoundError: a `.gguf` path that is not a file.
+        ValueError: a name close to a named model's that is neither a local path nor a Hub id with an owner
+            (a typo: the message names the model meant).
+        OSError: transformers could not load it (no such folder or Hub id, no network); the message lists the
+            named models.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {}
+    given = name_or_path
     if name_or_path is None:
         name_or_path = default_model_path()
     elif name_or_path in NAMED_MODELS:
         name_or_path = NAMED_MODELS[name_or_path].locate()
+    elif not os.path.exists(name_or_path) and "/" not in name_or_path:
+        close = difflib.get_close_matches(name_or_path, list(NAMED_MODELS), n=1, cutoff=0.6)
+        if close:
+            raise ValueError(f"Unknown model {name_or_path!r}: did you mean {close[0]!r}? Named models: "
+                             f"{', '.join(NAMED_MODELS)}; or give a local folder, a .gguf file or a Hub id.")
     if name_or_path.endswith(".gguf"):
+        if not os.path.isfile(name_or_path):
+            raise FileNotFoundError(f"No .gguf file at {name_or_path}.")
         kwargs["gguf_file"] = os.path.basename(name_or_path)
         name_or_path = os.path.dirname(os.path.abspath(name_or_path))
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kwargs).to(device).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kwargs).to(device).eval()
+    except OSError as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise OSError(f"Could not load model {given!r} ({first}). Named models: {', '.join(NAMED_MODELS)}; or give "
+                      "a local folder, a .gguf file or a Hub id (the Hub needs a network).") from error
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -40,6 +40,7 @@ import torch
 
 from ..config import DualDecoderConfig
 from ..engine import native
+from ..help_format import DefaultsHelpFormatter
 from ..host_store import HostKVStore, advise_huge_pages
 from ..retrieval import select as torch_select
 from ..selectors import SELECTORS, Candidates
@@ -203,26 +204,31 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072], help="tokens")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1])
+    parser = argparse.ArgumentParser(prog="dual-decoder bench-retrieval", description=__doc__.split("\n\n")[0],
+                                     formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072],
+                        help="tokens stored per sequence, one cell each")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1], help="sequences per step, one cell each")
     parser.add_argument("--selectors", nargs="+", default=["exact", DualDecoderConfig().selector],
                         choices=[*PREFETCHED, TORCH_EXACT],
                         help=f"selectors to time; {TORCH_EXACT!r}: exact selection in torch ops, as before the engine")
-    parser.add_argument("--pools", type=int, nargs="+", default=[1], help="retrieval threads per run")
+    parser.add_argument("--pools", type=int, nargs="+", default=[1],
+                        help="retrieval threads running the layers' jobs (1: one at a time, each call on --threads "
+                             "engine threads; N > 1: N layers at once, one engine thread each)")
     parser.add_argument("--budget", type=int, default=256, help="tokens per KV head")
     parser.add_argument("--options", type=json.loads, default={},
                         help='other DualDecoderConfig fields as JSON, e.g. \'{"lowbit_factor": 4}\'')
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=32, help="query heads (the default shape: Llama-3.1-8B)")
+    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads")
+    parser.add_argument("--head-dim", type=int, default=128, help="channels per head")
     parser.add_argument("--layers", type=int, default=32, help="layers per step (scales the measured step)")
     parser.add_argument("--distinct-layers", type=int, default=4, help="layers with their own store and index")
-    parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
-    parser.add_argument("--sink", type=int, default=4)
-    parser.add_argument("--window", type=int, default=64)
+    parser.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="stored K/V dtype")
+    parser.add_argument("--sink", type=int, default=4, help="sink tokens (never selected)")
+    parser.add_argument("--window", type=int, default=64, help="local window (never selected)")
     parser.add_argument("--repeats", type=int, default=10, help="timed steps per cell (after one warm-up)")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (pool 1)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op and engine threads per call at pool 1 (default: torch's)")
     parser.add_argument("--shared-prefix", action="store_true",
                         help="the batch continues one stored sequence of `context` tokens (kept once; every query is "
                              "scored against it in one product)")

@@ -13,6 +13,8 @@ import os
 import sys
 import time
 
+from ..help_format import DefaultsHelpFormatter
+
 SUITES = ("ruler", "longbench", "fidelity")
 
 
@@ -21,14 +23,15 @@ def add_parser(subparsers) -> None:
     from .methods import METHOD_NAMES
 
     ev = subparsers.add_parser("eval", help="quality evaluation: RULER, LongBench, fidelity to dense")
+    formatter = DefaultsHelpFormatter
     sub = ev.add_subparsers(dest="eval_command", required=True)
 
     def suite_options(p):
         p.add_argument("--model", default=None, help="named model (gemma3-270m, smollm2-135m), Hub id, folder or .gguf "
                        "(default: the embedded SmolLM2-135M)")
         p.add_argument("--model-name", default=None, help="name written in the rows (default: derived from --model)")
-        p.add_argument("--suites", nargs="+", default=["ruler"], choices=SUITES)
-        p.add_argument("--ruler-tasks", nargs="+", default=["niah_single_2"])
+        p.add_argument("--suites", nargs="+", default=["ruler"], choices=SUITES, help="what to evaluate")
+        p.add_argument("--ruler-tasks", nargs="+", default=["niah_single_2"], help="RULER task names (synthetic.yaml)")
         p.add_argument("--lengths", type=int, nargs="+", default=[4096], help="RULER target lengths (tokens)")
         p.add_argument("--ruler-template", default="ruler", choices=["ruler", "simple"],
                        help="NIAH wording: RULER's, or 'simple' (eval/needle.py's, not RULER's; the 135M model answers it)")
@@ -41,44 +44,50 @@ def add_parser(subparsers) -> None:
                        help="system turn text; 'template-default' keeps the template's own default (default: no "
                        "system turn, as RULER's and LongBench's wrappers)")
         p.add_argument("--samples", type=int, default=4, help="samples per task and length (RULER, fidelity)")
-        p.add_argument("--longbench-tasks", nargs="+", default=["hotpotqa"])
+        p.add_argument("--longbench-tasks", nargs="+", default=["hotpotqa"], help="LongBench task names")
         p.add_argument("--data-dir", default=None, help="folder of LongBench's official <task>.jsonl (else the Hub)")
         p.add_argument("--max-length", type=int, default=None,
                        help="LongBench model window in tokens (default: the model's max_position_embeddings); prompts "
                        "are truncated to LongBench's maximum length for it (3500 for 4K, 7500 for 8K, 31500 for 32K)")
-        p.add_argument("--fidelity-lengths", type=int, nargs="+", default=[8192])
+        p.add_argument("--fidelity-lengths", type=int, nargs="+", default=[8192],
+                       help="fidelity: document lengths (tokens)")
         p.add_argument("--forced-tokens", type=int, default=64, help="fidelity: teacher-forced document tokens")
         p.add_argument("--greedy-tokens", type=int, default=32, help="fidelity: greedy steps compared with dense")
         p.add_argument("--limit", type=int, default=None, help="at most this many samples per task and length")
         p.add_argument("--max-new-tokens", type=int, default=None, help="cap the tasks' answer lengths (tokens)")
-        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--seed", type=int, default=0, help="picks the generated prompts (RULER, fidelity)")
 
-    run = sub.add_parser("run", help="evaluate every method on the same prompts; appends rows to --out (resumable)")
+    run = sub.add_parser("run", help="evaluate every method on the same prompts; appends rows to --out (resumable)",
+                         formatter_class=formatter)
     suite_options(run)
     run.add_argument("--methods", nargs="+", default=["standard"],
                      help=f"'standard' (all), or specs such as dense dual@128 oracle; names: {list(METHOD_NAMES)}")
     run.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256, 512, 1024], help="dual budgets (standard)")
     run.add_argument("--reference-budget", type=int, default=256, help="budget of dual-none / oracle / quest")
-    run.add_argument("--out", default="results/eval/results.jsonl")
+    run.add_argument("--out", default="eval-results/results.jsonl",
+                     help="JSONL the rows are appended to (eval-results/ is git-ignored; the project's own record is "
+                          "results/eval/, written with an explicit --out)")
     run.add_argument("--no-resume", action="store_true", help="start the output file afresh")
     run.add_argument("--report-dir", default=None, help="also write summary.md and plots here at the end")
     run.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     run.set_defaults(func=cmd_run)
 
-    report = sub.add_parser("report", help="summary.md and plots from a results JSONL")
-    report.add_argument("--results", default="results/eval/results.jsonl")
-    report.add_argument("--out-dir", default="results/eval")
+    report = sub.add_parser("report", help="summary.md and plots from a results JSONL", formatter_class=formatter)
+    report.add_argument("--results", default="eval-results/results.jsonl", help="rows written by `eval run`")
+    report.add_argument("--out-dir", default="eval-results", help="where summary.md and the plots go")
     report.set_defaults(func=cmd_report)
 
-    export = sub.add_parser("export-prompts", help="write the suites' prompts for eval/kvpress_runner.py")
+    export = sub.add_parser("export-prompts", help="write the suites' prompts for eval/kvpress_runner.py",
+                            formatter_class=formatter)
     suite_options(export)
     export.add_argument("--prompts-out", required=True)
     export.set_defaults(func=cmd_export)
 
-    merge = sub.add_parser("merge-kvpress", help="score kvpress_runner.py predictions and append them to --out")
+    merge = sub.add_parser("merge-kvpress", help="score kvpress_runner.py predictions and append them to --out",
+                           formatter_class=formatter)
     merge.add_argument("--prompts", required=True, help="the export-prompts file given to the runner")
     merge.add_argument("--kvpress", required=True, help="the runner's predictions JSONL")
-    merge.add_argument("--out", default="results/eval/results.jsonl")
+    merge.add_argument("--out", default="eval-results/results.jsonl", help="JSONL the scored rows are appended to")
     merge.set_defaults(func=cmd_merge)
 
 

@@ -18,6 +18,7 @@ import sys
 import torch
 
 from ..config import DualDecoderConfig
+from ..help_format import DefaultsHelpFormatter
 from ..models import model_display_name
 from .methods import cache_config
 from .needle import format_chat, make_needle_prompt
@@ -125,11 +126,13 @@ def markdown(rows: list[dict], methods: list[str], tokens: int, budget: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="dual-decoder needle", description=__doc__.split("\n\n")[0],
+                                     formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--tokens", type=int, default=4096, help="prompt length (tokens)")
     parser.add_argument("--seeds", default="0-15", help="e.g. 0-15 or 0,3,7")
     parser.add_argument("--budget", type=int, default=256, help="dual budget (tokens per KV head per layer)")
-    parser.add_argument("--methods", nargs="+", default=["dense", "dual", "dual-no-repair"], choices=list(METHODS))
+    parser.add_argument("--methods", nargs="+", default=["dense", "dual", "dual-no-repair"], choices=list(METHODS),
+                        help="eval methods to answer each prompt with (eval/methods.py)")
     parser.add_argument("--threads", type=threads_arg, default=None, help="torch intra-op threads")
     parser.add_argument("--options", type=json_object, default={},
                         help="other DualDecoderConfig fields for every dual method, as JSON, e.g. "

@@ -29,6 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..config import DualDecoderConfig
+from ..help_format import DefaultsHelpFormatter
 from ..host_store import HostKVStore
 from ..models import model_display_name
 from ..retrieval import group_attention_mass
@@ -172,7 +173,8 @@ def recall_summary(recall: torch.Tensor) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="dual-decoder recall", description=__doc__.split("\n\n")[0],
+                                     formatter_class=DefaultsHelpFormatter)
     add_recording_arguments(parser)
     parser.add_argument("--configs", nargs="+", default=["lowbit", "quest:{\"block_size\": 16}"],
                         help="selector[:JSON options] per configuration")

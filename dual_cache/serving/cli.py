@@ -7,6 +7,7 @@ import json
 import os
 
 from ..config import DualDecoderConfig
+from ..help_format import DefaultsHelpFormatter
 from ..models import NAMED_MODELS
 
 
@@ -29,14 +30,17 @@ def cache_config(text: str) -> DualDecoderConfig:
 
 def add_parser(sub) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the dual cache",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics "
+                                       "over the dual cache until SIGINT / SIGTERM (docs/serving.md).",
+                           formatter_class=DefaultsHelpFormatter)
     serve.add_argument("--model", default=None,
                        help=f"named model ({', '.join(NAMED_MODELS)}), .gguf file, local folder or Hub id "
                             "(default: the embedded smollm2-135m)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--cache-config", type=cache_config, default=DualDecoderConfig(),
-                       help="DualDecoderConfig fields as JSON, or a JSON file")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    serve.add_argument("--cache-config", type=cache_config, default=None,
+                       help="DualDecoderConfig fields as JSON, or a JSON file, e.g. '{\"budget\": 512}' (default: "
+                            "DualDecoderConfig's defaults, docs/usage.md)")
     serve.add_argument("--max-batch", type=int, default=8, help="batch rows decoding at once")
     serve.add_argument("--max-host-bytes", type=int, default=None,
                        help="host bytes for running requests and idle sessions (default: what each cache finds "
@@ -62,7 +66,7 @@ def cmd_serve(args) -> int:
     if args.prefix_block < 0:
         raise ValueError(f"--prefix-block must be >= 0 (0: off), got {args.prefix_block}.")
     model, tokenizer = load_model(args.model)
-    scheduler = Scheduler(model, tokenizer, cache_config=args.cache_config, dense=args.dense,
+    scheduler = Scheduler(model, tokenizer, cache_config=args.cache_config or DualDecoderConfig(), dense=args.dense,
                           max_batch=args.max_batch, max_host_bytes=args.max_host_bytes,
                           prefix_block=args.prefix_block)
     try:
