@@ -8,8 +8,9 @@ would add a large dependency pinned to numpy versions and has no portable access
 The library is built on first use (or by `make install`, `python -m dual_cache.engine`) in three variants of
 the same source — `scalar` (baseline ISA), `avx2` (AVX2 + FMA + F16C) and `avx512` (AVX-512 F/BW/VL/DQ + VNNI) — into
 `$DUAL_CACHE_ENGINE_DIR` or `~/.cache/dual-cache/engine/<source hash>/`. The scalar build is loaded first and asks
-the CPU (`__builtin_cpu_supports`) which variants it can run; the best of those is used, so an older CPU never
-executes an instruction it lacks. Every variant returns the same selections (the scan is exact integer arithmetic,
+the CPU (`__builtin_cpu_supports`) which variants it can run; the best of those that builds is used (a better one
+that a compiler cannot build is skipped with one warning naming it), so an older CPU never executes an instruction
+it lacks. Every variant returns the same selections (the scan is exact integer arithmetic,
 the float loops are written lane by lane without contraction).
 
 `DUAL_CACHE_ENGINE` picks: `auto` (default: the best variant the CPU runs), `scalar`, `avx2`, `avx512` (refused with
@@ -124,8 +125,8 @@ def choice() -> str:
 def library(variant: str | None = None) -> ctypes.CDLL | None:
     """The engine library to call, or None when the pure-torch reference must run instead.
 
-    `variant` None follows `DUAL_CACHE_ENGINE`. With `auto`, a build or load failure warns once (naming the cause)
-    and returns None; a variant named explicitly that cannot run raises `RuntimeError`.
+    `variant` None follows `DUAL_CACHE_ENGINE`. With `auto`, the best variant that builds and loads
+    (`_best_loadable`); when none does, one warning naming the cause and None; a variant named explicitly that cannot run raises `RuntimeError`.
     """
     global _failure, _warned
     wanted = variant or choice()
