@@ -104,12 +104,23 @@ def _drift_threshold(text: str) -> float | None:
     return value
 
 
+_FLAGS = {"budget": "--budget", "n_sink": "--n-sink", "window": "--window", "repair_drift": "--repair-drift",
+          "lowbit_factor": "--lowbit-factor", "lowbit_channels": "--lowbit-channels"}
+
+
 def _dual_config(args) -> DualDecoderConfig:
-    return DualDecoderConfig(
-        budget=args.budget, n_sink=args.n_sink, window=args.window, speculator=args.speculator,
-        miss_repair=not args.no_miss_repair, repair_drift=args.repair_drift, selector=args.selector,
-        lowbit_factor=args.lowbit_factor, lowbit_channels=args.lowbit_channels, prefill_progress=True,
-    )
+    """The run's `DualDecoderConfig`; its `ValueError`s name the command-line flags (`--n-sink`), not the fields."""
+    try:
+        return DualDecoderConfig(
+            budget=args.budget, n_sink=args.n_sink, window=args.window, speculator=args.speculator,
+            miss_repair=not args.no_miss_repair, repair_drift=args.repair_drift, selector=args.selector,
+            lowbit_factor=args.lowbit_factor, lowbit_channels=args.lowbit_channels, prefill_progress=True,
+        )
+    except ValueError as error:
+        message = str(error)
+        for field, flag in _FLAGS.items():
+            message = message.replace(f"`{field}`", flag)
+        raise ValueError(message) from None
 
 
 def cmd_generate(args) -> int:

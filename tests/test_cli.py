@@ -59,3 +59,9 @@ def test_a_cache_config_that_is_not_a_mapping_is_refused():
 
     with pytest.raises(ValueError, match="cache_config must be a dict"):
         DualDecoderConfig.from_dict(256)
+
+
+def test_an_out_of_range_option_is_named_by_its_flag(capsys):
+    assert cli.main(["generate", "--prompt-file", "README.md", "--question", "q", "--n-sink", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: --n-sink")
