@@ -158,12 +158,17 @@ def test_lowbit_selector_with_a_shortlist_of_everything_selects_what_exact_selec
     assert torch.equal(got[0], exact[0]) and torch.equal(got[1], exact[1])
 
 
-def test_a_compiler_that_fails_falls_back_to_the_reference_with_one_warning(monkeypatch, tmp_path):
+@pytest.fixture
+def fresh_engine(monkeypatch, tmp_path):
+    """The engine as on a machine that has not built or loaded it yet (builds go to a temporary folder)."""
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(native, "_resolved", {})
     monkeypatch.setattr(native, "_failure", None)
     monkeypatch.setattr(native, "_warned", False)
     monkeypatch.setenv("DUAL_CACHE_ENGINE_DIR", str(tmp_path))
+
+
+def test_a_compiler_that_fails_falls_back_to_the_reference_with_one_warning(fresh_engine, monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     query, mask, keys, index = _problem(6, 2, 2, 2, 32, 400, torch.float32)
     with pytest.warns(RuntimeWarning, match="native selection engine is unavailable"):
@@ -178,12 +183,7 @@ def test_a_compiler_that_fails_falls_back_to_the_reference_with_one_warning(monk
 
 
 @pytest.mark.skipif(len(VARIANTS) < 2, reason="this CPU runs only the scalar variant")
-def test_a_variant_that_fails_to_build_gives_the_next_best_with_one_warning(monkeypatch, tmp_path):
-    monkeypatch.setattr(native, "_loaded", {})
-    monkeypatch.setattr(native, "_resolved", {})
-    monkeypatch.setattr(native, "_failure", None)
-    monkeypatch.setattr(native, "_warned", False)
-    monkeypatch.setenv("DUAL_CACHE_ENGINE_DIR", str(tmp_path))
+def test_a_variant_that_fails_to_build_gives_the_next_best_with_one_warning(fresh_engine, monkeypatch):
     best, next_best = VARIANTS[-1], VARIANTS[-2]
     build = native._build
 
