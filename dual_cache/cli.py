@@ -14,8 +14,8 @@ import sys
 import torch
 
 from .config import SELECTORS, DualDecoderConfig
-from .host_memory import format_bytes
 from .help_format import DefaultsHelpFormatter
+from .host_memory import format_bytes
 from .models import NAMED_MODELS, ModelNotInstalledError
 from .timing import TimingStreamer
 

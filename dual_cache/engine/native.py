@@ -126,7 +126,8 @@ def library(variant: str | None = None) -> ctypes.CDLL | None:
     """The engine library to call, or None when the pure-torch reference must run instead.
 
     `variant` None follows `DUAL_CACHE_ENGINE`. With `auto`, the best variant that builds and loads
-    (`_best_loadable`); when none does, one warning naming the cause and None; a variant named explicitly that cannot run raises `RuntimeError`.
+    (`_best_loadable`); when none does, one warning naming the cause and None. A variant named explicitly that
+    cannot run raises `RuntimeError`.
     """
     global _failure, _warned
     wanted = variant or choice()
