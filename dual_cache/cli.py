@@ -55,7 +55,7 @@ def run_question(model, tokenizer, text: str, dual_config: DualDecoderConfig | N
     """
     from transformers import TextStreamer
 
-    from .eval.needle import format_chat
+    from .eval.quality.needle import format_chat
 
     ids = torch.tensor([format_chat(tokenizer, text)], device=model.device)
     check_positions(model, ids.shape[1] + max_new_tokens, "the document length or --max-new-tokens")
@@ -146,7 +146,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .eval.needle import make_needle_prompt
+    from .eval.quality.needle import make_needle_prompt
     from .models import load_default_model
 
     config = _dual_config(args)
@@ -231,7 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     dual_options(demo)
     demo.set_defaults(func=cmd_demo)
 
-    from .eval import bench_cli, eval_cli, results_table, tools_cli
+    from .eval import results_table, tools_cli
+    from .eval.quality import eval_cli
+    from .eval.throughput import bench_cli
     from . import hub_cli
     from .serving import bench as serving_bench, cli as serving_cli
 

@@ -99,7 +99,7 @@ def cmd_card(args) -> int:
     runs before anything is written; the cards are rendered and validated in memory, then `--out` is written
     atomically, then `--push` uploads in a single commit.
     """
-    from .eval import hub_card
+    from .eval.card import hub_card
 
     token = None
     try:

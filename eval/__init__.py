@@ -1,1 +1,10 @@
-"""Evaluation and benchmarks (installed as `dual_cache.eval`)."""
+"""Evaluation and benchmarks (installed as `dual_cache.eval`), one subpackage per job:
+
+- `quality`: the quality harness (RULER, LongBench, fidelity to dense, word needles, metrics) and its report;
+- `throughput`: the throughput and memory benchmark, its capacity search, and the step profilers;
+- `selection`: host selection on its own (cost per step, recall of the exact top-k mass on real keys);
+- `card`: Hub model cards and the kvpress hand-off.
+
+Top level: `results_table` (`dual-decoder report`), `tools_cli` (the analysis tools as subcommands), `outputs`
+(rows + markdown side by side), `gpu_check` and `device_run.sh` (the CUDA machine).
+"""

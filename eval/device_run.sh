@@ -67,7 +67,7 @@ print('torch', torch.__version__, '| transformers', transformers.__version__, '|
 echo "== native selection engine (g++)"
 python3 -m dual_cache.engine
 
-LLAMA=(python3 -m dual_cache.eval.bench --device cuda --model llama8b --budgets 256 --no-plots --no-cells-jsonl
+LLAMA=(python3 -m dual_cache.eval.throughput.bench --device cuda --model llama8b --budgets 256 --no-plots --no-cells-jsonl
        --keep-going)
 CAPPED=("${LLAMA[@]}" --device-budget-gib "$CAP_GIB" --host-budget-gib "$HOST_GIB" --batches 1 --new-tokens 6
         --warmup-steps 2 --forced-miss-rate "$MISS"
@@ -83,7 +83,7 @@ stage 3a "max batch at ${CAP_GIB} GiB, 32K" "${CAPPED[@]}" --contexts 32768 --pr
 stage 3b "max batch at ${CAP_GIB} GiB, 128K" "${CAPPED[@]}" --contexts 131072 --prefill-chunk-size 8192 \
     --max-cell-seconds 45 --out "$OUT/cap24-128k"
 stage 5 "host selection alone at 32K: torch-exact, exact and lowbit through the engine" \
-    python3 -m dual_cache.eval.bench_retrieval --contexts 32768 --batches 1 8 --pools 1 16 --repeats 5 \
+    python3 -m dual_cache.eval.selection.bench_retrieval --contexts 32768 --batches 1 8 --pools 1 16 --repeats 5 \
     --selectors torch-exact exact lowbit --out "$OUT/host-retrieval-32k"
 stage 4 "issue 14: 32K decode, batch 1 and 8" "${LLAMA[@]}" --contexts 32768 --batches 1 8 --new-tokens 12 \
     --warmup-steps 3 --methods dense dual-no-repair dual-self --out "$OUT/latency-32k"

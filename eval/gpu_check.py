@@ -22,7 +22,7 @@ import torch
 
 from ..cache import DualDecoderCache
 from ..config import DualDecoderConfig
-from .bench_models import random_model
+from .throughput.bench_models import random_model
 
 
 def small_real_shaped_config(tiny: bool):

@@ -7,10 +7,10 @@ import importlib
 import sys
 
 TOOLS = {  # subcommand: (module in dual_cache.eval, help)
-    "bench-retrieval": ("bench_retrieval", "host selection cost per decode step, selector by selector, at a model shape"),
-    "needle": ("needle_sweep", "word-needle sweep: methods x prompts, answers and agreement with dense"),
-    "recall": ("selection_recall", "recall of the exact top-k attention mass per selector and layer, on real keys"),
-    "agentic": ("agentic", "shared-document batch and multi-turn conversation vs re-prefill"),
+    "bench-retrieval": ("selection.bench_retrieval", "host selection cost per decode step, selector by selector, at a model shape"),
+    "needle": ("quality.needle_sweep", "word-needle sweep: methods x prompts, answers and agreement with dense"),
+    "recall": ("selection.selection_recall", "recall of the exact top-k attention mass per selector and layer, on real keys"),
+    "agentic": ("throughput.agentic", "shared-document batch and multi-turn conversation vs re-prefill"),
     "gpu-check": ("gpu_check", "CUDA checks: full budget == dense, pipelined == synchronous"),
 }
 

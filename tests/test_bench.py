@@ -1,4 +1,4 @@
-"""The throughput / memory benchmark harness (eval/bench*.py): runs end to end on a tiny random model, produces every
+"""The throughput / memory benchmark harness (eval/throughput/bench*.py): runs end to end on a tiny random model, produces every
 column, and its memory accounting matches hand computations. Timings are printed by the harness, never asserted.
 The max-batch search itself is tested with fake probes in test_bench_capacity.py."""
 
@@ -11,12 +11,12 @@ import os
 import pytest
 import torch
 
-from dual_cache.eval import bench, bench_report, cpu_linear
-from dual_cache.eval.bench_accounting import cache_accounting
-from dual_cache.eval.bench_capacity import MemoryLimits
-from dual_cache.eval.bench_cell import COLUMNS
-from dual_cache.eval.bench_grid import BenchGrid
-from dual_cache.eval.bench_models import kv_bytes_estimate, llama31_8b_config, random_model, weight_bytes
+from dual_cache.eval.throughput import bench, bench_report, cpu_linear
+from dual_cache.eval.throughput.bench_accounting import cache_accounting
+from dual_cache.eval.throughput.bench_capacity import MemoryLimits
+from dual_cache.eval.throughput.bench_cell import COLUMNS
+from dual_cache.eval.throughput.bench_grid import BenchGrid
+from dual_cache.eval.throughput.bench_models import kv_bytes_estimate, llama31_8b_config, random_model, weight_bytes
 from tests.conftest import tiny_llama
 
 # tiny_llama: 3 layers, 4 query / 2 KV heads, hidden 64 → head_dim 16, float32
@@ -261,8 +261,8 @@ def test_bench_with_gemm_linears_runs_and_says_so(model):
 
 
 def test_keep_going_records_a_failed_cell_instead_of_raising(model, monkeypatch):
-    from dual_cache.eval.bench_cell import run_cell
-    from dual_cache.eval.bench_models import PromptSource
+    from dual_cache.eval.throughput.bench_cell import run_cell
+    from dual_cache.eval.throughput.bench_models import PromptSource
 
     grid = small_grid(methods=("dense",), batches=(1,), contexts=(40,))
     prompts = PromptSource(None, 96, model.device)

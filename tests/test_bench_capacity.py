@@ -1,4 +1,4 @@
-"""The max-batch search (eval/bench_capacity.py) with fake probes: which limit binds, the predicted batch is the one
+"""The max-batch search (eval/throughput/bench_capacity.py) with fake probes: which limit binds, the predicted batch is the one
 measured, bisection when the prediction fails, extrapolation when a run would take too long, CPU's shared pool."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import math
 
 import pytest
 
-from dual_cache.eval.bench_capacity import (
+from dual_cache.eval.throughput.bench_capacity import (
     BATCH_CAP, DEVICE, FAILED, HOST, MemoryLimits, find_max_batch, footprint, predict_batches,
 )
-from dual_cache.eval.bench_cell import empty_row
-from dual_cache.eval.bench_grid import BenchGrid
+from dual_cache.eval.throughput.bench_cell import empty_row
+from dual_cache.eval.throughput.bench_grid import BenchGrid
 
 GRID = BenchGrid(new_tokens=12, warmup_steps=2)
 WEIGHTS = 5_000

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dual_cache.eval import bench_retrieval
+from dual_cache.eval.selection import bench_retrieval
 
 TINY = ["--contexts", "700", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--layers", "3",
         "--distinct-layers", "2", "--repeats", "2", "--budget", "32", "--dtype", "fp32"]

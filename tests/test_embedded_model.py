@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dual_cache.eval.needle import format_chat, make_needle_prompt
+from dual_cache.eval.quality.needle import format_chat, make_needle_prompt
 
 NEEDLE_CONFIG = {"budget": 256, "n_sink": 4, "window": 64}
 

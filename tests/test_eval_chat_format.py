@@ -3,7 +3,7 @@ wrappers have none), one BOS."""
 
 import pytest
 
-from dual_cache.eval.chat_format import PLAIN, TEMPLATE_DEFAULT, PromptFormat, adds_bos, prompt_format
+from dual_cache.eval.quality.chat_format import PLAIN, TEMPLATE_DEFAULT, PromptFormat, adds_bos, prompt_format
 from tests.test_eval_support import char_tokenizer
 
 # SmolLM2's template shape: ChatML with a default system turn, and "<|im_start|>" as its BOS token

@@ -6,11 +6,12 @@ import os
 import pytest
 import torch
 
-from dual_cache.eval import fidelity, harness, kvpress_runner
-from dual_cache.eval.generation import generate
-from dual_cache.eval.kvpress_merge import export_prompts, merge_kvpress
-from dual_cache.eval.methods import make_method, parse_method, standard_methods
-from dual_cache.eval.report import write_report
+from dual_cache.eval.card import kvpress_runner
+from dual_cache.eval.quality import fidelity, harness
+from dual_cache.eval.quality.generation import generate
+from dual_cache.eval.card.kvpress_merge import export_prompts, merge_kvpress
+from dual_cache.eval.quality.methods import make_method, parse_method, standard_methods
+from dual_cache.eval.quality.report import write_report
 from tests.test_eval_support import char_tokenizer, tiny_model
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "longbench")

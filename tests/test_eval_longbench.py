@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from dual_cache.eval import longbench
-from dual_cache.eval.chat_format import PLAIN, PromptFormat
+from dual_cache.eval.quality import longbench
+from dual_cache.eval.quality.chat_format import PLAIN, PromptFormat
 from tests.test_eval_support import char_tokenizer
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "longbench")

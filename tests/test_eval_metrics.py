@@ -9,8 +9,8 @@ import difflib
 
 import pytest
 
-from dual_cache.eval.metrics import load_metric, metric_path
-from dual_cache.eval.metrics import longbench_score as lb
+from dual_cache.eval.quality.metrics import load_metric, metric_path
+from dual_cache.eval.quality.metrics import longbench_score as lb
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import string
 import datasets
 import pytest
 
-from dual_cache.eval import ruler
-from dual_cache.eval.chat_format import PLAIN, PromptFormat
+from dual_cache.eval.quality import ruler
+from dual_cache.eval.quality.chat_format import PLAIN, PromptFormat
 from tests.test_eval_support import char_tokenizer
 
 # The official (template, answer prefix) pairs of RULER's scripts/data/synthetic/constants.py, written out here.
@@ -297,7 +297,7 @@ def test_simple_template(tok):
 def test_embedded_tokenizer_lengths():
     from transformers import AutoTokenizer
 
-    from dual_cache.eval.chat_format import prompt_format
+    from dual_cache.eval.quality.chat_format import prompt_format
     from dual_cache.models import DEFAULT_GGUF_FILE, default_model_folder
 
     bpe = AutoTokenizer.from_pretrained(default_model_folder(), gguf_file=DEFAULT_GGUF_FILE)

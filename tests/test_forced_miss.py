@@ -1,11 +1,11 @@
-"""The benchmark-only forced miss rate (eval/forced_miss.py): the split it draws, and repairs through the real loop."""
+"""The benchmark-only forced miss rate (eval/throughput/forced_miss.py): the split it draws, and repairs through the real loop."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dual_cache.eval.forced_miss import ForcedMissCache
+from dual_cache.eval.throughput.forced_miss import ForcedMissCache
 from tests.conftest import tiny_llama
 
 OPTIONS = {"budget": 12, "n_sink": 4, "window": 8, "early_layers": 0, "retrieval_threads": 0}

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 import dual_cache
-from dual_cache.eval import hub_card
+from dual_cache.eval.card import hub_card
 from dual_cache.cli import main
 from dual_cache.hub_cli import custom_generate_dir, export_custom_generate
 from tests.conftest import tiny_llama

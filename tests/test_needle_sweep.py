@@ -2,7 +2,7 @@
 
 import pytest
 
-from dual_cache.eval import needle_sweep
+from dual_cache.eval.quality import needle_sweep
 
 
 def test_parse_seeds():

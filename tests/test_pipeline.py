@@ -177,7 +177,7 @@ def test_chunked_host_store_and_timeline(tmp_path):
     # copies issued ahead (lookahead 2) for a step that never ran are counted in bytes_copied only
     unused = stats["bytes_copied"] - sum(r["bytes"] for r in timeline)
     assert 0 <= unused <= 2 * max(r["bytes"] for r in timeline)
-    from dual_cache.eval.pipeline_timeline import summarize
+    from dual_cache.eval.throughput.pipeline_timeline import summarize
 
     layers = summarize(timeline, skip_steps=1)
     assert [row["layer"] for row in layers] == list(range(6))

@@ -6,7 +6,7 @@ called in turn) and cold (256 MB written between calls, as 32 layers' indexes or
 Run: .venv/bin/python results/bench/lowbit-call-profile/profile_call.py  (output: results.md beside it)
 """
 import time, statistics, torch, ctypes
-from dual_cache.eval.bench_retrieval import _store
+from dual_cache.eval.selection.bench_retrieval import _store
 from dual_cache.config import DualDecoderConfig
 from dual_cache.selectors import SELECTORS, Candidates
 from dual_cache.engine import native

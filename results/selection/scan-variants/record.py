@@ -1,6 +1,6 @@
 """Record real keys/queries once per (model, tokens, seed) into rec-*.pt"""
 import sys, argparse, torch
-from dual_cache.eval.selection_recall import add_recording_arguments, recorded_layers, check_recording_arguments
+from dual_cache.eval.selection.selection_recall import add_recording_arguments, recorded_layers, check_recording_arguments
 p = argparse.ArgumentParser(); add_recording_arguments(p); a = p.parse_args(sys.argv[1:])
 seeds = check_recording_arguments(a)
 name = (a.model or "smollm2")

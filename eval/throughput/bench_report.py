@@ -8,7 +8,7 @@ import os
 from typing import Callable
 
 from .bench_grid import RATIO_BASELINES, method_label
-from .outputs import mib
+from ..outputs import mib
 
 MIB = 1024 ** 2
 GIB = 1024 ** 3
@@ -123,7 +123,7 @@ def render_markdown(result) -> str:
         f"{meta.get('threads')} threads), {meta.get('grid', {}).get('new_tokens')} new tokens, "
         f"{meta.get('grid', {}).get('warmup_steps')} warm-up steps"
         + ("; sampling at temperature 1" if meta.get("grid", {}).get("do_sample") else "; greedy")
-        + ("; every method's few-row linears as W·xᵀ (`--cpu-linear gemm`, eval/cpu_linear.py)"
+        + ("; every method's few-row linears as W·xᵀ (`--cpu-linear gemm`, eval/throughput/cpu_linear.py)"
            if meta.get("grid", {}).get("cpu_linear") == "gemm" else "")
         + (f"; dual options {meta['grid']['dual_options']}" if meta.get("grid", {}).get("dual_options") else "")
         + ".",

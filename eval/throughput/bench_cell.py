@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from ..cache import available_host_bytes
-from ..timing import TimingStreamer
+from ...cache import available_host_bytes
+from ...timing import TimingStreamer
 from .bench_accounting import cache_accounting
 from .bench_grid import BUDGETED, FORCED_MISS, BenchGrid
 from .bench_models import PromptSource, kv_bytes_estimate

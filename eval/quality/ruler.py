@@ -94,7 +94,7 @@ QA_DOCUMENT = "Document {i}:\n{document}"
 DEPTHS = tuple(round(100 * i / 39) for i in range(40))
 #: RULER's default `--random_seed`; its generators shuffle several lists with `random.Random(seed)` of this value
 RULER_SEED = 42
-# "simple" NIAH wording (eval/needle.py's), opt-in: not RULER's
+# "simple" NIAH wording (eval/quality/needle.py's), opt-in: not RULER's
 SIMPLE_NEEDLE = "The special magic {type_1} for {key} is: {value}."
 SIMPLE_QUESTION = (
     "\n\nWhat is the special magic {type_1} for {query} mentioned in the text above? Answer with the {type_1} only."

@@ -8,25 +8,25 @@ from typing import Any
 
 import torch
 
-from ..config import SPECULATORS, DualDecoderConfig
+from ...config import SPECULATORS, DualDecoderConfig
 from .cpu_linear import MAX_ROWS as CPU_GEMM_MAX_ROWS
-from .methods import CACHE_CONFIGS
+from ..quality.methods import CACHE_CONFIGS
 
 
 def registered_config(method: str) -> dict[str, Any]:
-    """The registry's `cache_config` fragment of a dual / quest method (`eval/methods.py`)."""
+    """The registry's `cache_config` fragment of a dual / quest method (`eval/quality/methods.py`)."""
     return dict(CACHE_CONFIGS[method])
 
 DUAL_METHODS = tuple(f"dual-{s}" for s in SPECULATORS)  # dual-self, dual-ngram, dual-none
 BASELINES = ("dense", "offloaded")
 LOWBIT = "dual-lowbit"  # dual-self with the 2-bit key index (`selector="lowbit"`)
 NO_REPAIR = "dual-no-repair"  # dual-self with `miss_repair=False`: the pipeline alone
-FORCED_MISS = "dual-forced-miss"  # dual-self whose repairs follow a forced miss rate (eval/forced_miss.py)
+FORCED_MISS = "dual-forced-miss"  # dual-self whose repairs follow a forced miss rate (eval/throughput/forced_miss.py)
 ALL_METHODS = BASELINES + DUAL_METHODS + (NO_REPAIR, FORCED_MISS, LOWBIT, "quest")
 METHOD_ALIASES = {"dual": DUAL_METHODS, "all": BASELINES + DUAL_METHODS + (LOWBIT, "quest")}
 BUDGETED = DUAL_METHODS + (NO_REPAIR, FORCED_MISS, LOWBIT, "quest")  # cells vary with the retrieval budget
 RATIO_BASELINES = ("dense", "offloaded", "quest")  # what "the best baseline" of the max-batch table ranges over
-CPU_LINEARS = ("stock", "gemm")  # see eval/cpu_linear.py
+CPU_LINEARS = ("stock", "gemm")  # see eval/throughput/cpu_linear.py
 
 
 @dataclass
@@ -38,7 +38,7 @@ class BenchGrid:
             `"all"`. `dual-<speculator>`: that speculator with the default selector (`DualDecoderConfig().selector`)
             and the default miss repair; `dual-no-repair`: `dual-self` with `miss_repair=False`;
             `dual-forced-miss`: `dual-self` whose miss repairs hit a `forced_miss_rate` fraction of the live
-            sequences each step (benchmark only, `eval/forced_miss.py`); `dual-lowbit`: `dual-self` with
+            sequences each step (benchmark only, `eval/throughput/forced_miss.py`); `dual-lowbit`: `dual-self` with
             `selector="lowbit"`; `quest`: the Quest baseline.
         batches: sequences per `generate()` call.
         contexts: prompt lengths (tokens; the embedded model's needle prompts meet them within a few tokens).
@@ -52,7 +52,7 @@ class BenchGrid:
         dual_options: further `DualDecoderConfig` fields for dual / quest cells (e.g. `{"early_layers": 0}`);
             `speculator`, `selector` and `budget` are set by the method and may not appear here.
         forced_miss_rate: fraction in [0, 1] of live sequences `dual-forced-miss` repairs per step.
-        cpu_linear: `"gemm"` routes every method's few-row linears through `eval/cpu_linear.py` (CPU only).
+        cpu_linear: `"gemm"` routes every method's few-row linears through `eval/throughput/cpu_linear.py` (CPU only).
     """
 
     methods: tuple[str, ...] = ("dense", "dual-self")
@@ -136,7 +136,7 @@ class BenchGrid:
             "n_sink": self.n_sink, "window": self.window, "prefill_chunk_size": self.prefill_chunk_size,
             **self.dual_options, "budget": budget,
         }
-        config.update(registered_config(method))  # eval/methods.py: one registry for every tool
+        config.update(registered_config(method))  # eval/quality/methods.py: one registry for every tool
         if method == "quest":
             config["block_size"] = self.quest_block_size
         return config

@@ -3,7 +3,7 @@
     dual-decoder eval run --suites ruler fidelity --ruler-tasks niah_single_2 --lengths 4096 8192 \\
         --fidelity-lengths 8192 --samples 4 --budgets 64 128 256 512 --out results/eval/results.jsonl
     dual-decoder eval report --results results/eval/results.jsonl --out-dir results/eval
-    dual-decoder eval export-prompts ... --prompts-out prompts.jsonl   (then eval/kvpress_runner.py in its venv)
+    dual-decoder eval export-prompts ... --prompts-out prompts.jsonl   (then eval/card/kvpress_runner.py in its venv)
     dual-decoder eval merge-kvpress --prompts prompts.jsonl --kvpress kvpress.jsonl --out results/eval/results.jsonl
 """
 
@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from ..help_format import DefaultsHelpFormatter
+from ...help_format import DefaultsHelpFormatter
 
 SUITES = ("ruler", "longbench", "fidelity")
 
@@ -34,7 +34,7 @@ def add_parser(subparsers) -> None:
         p.add_argument("--ruler-tasks", nargs="+", default=["niah_single_2"], help="RULER task names (synthetic.yaml)")
         p.add_argument("--lengths", type=int, nargs="+", default=[4096], help="RULER target lengths (tokens)")
         p.add_argument("--ruler-template", default="ruler", choices=["ruler", "simple"],
-                       help="NIAH wording: RULER's, or 'simple' (eval/needle.py's, not RULER's; the 135M model answers it)")
+                       help="NIAH wording: RULER's, or 'simple' (eval/quality/needle.py's, not RULER's; the 135M model answers it)")
         p.add_argument("--ruler-qa-dir", default=None,
                        help="folder with squad.json (SQuAD v2.0 dev) / hotpotqa.json (HotpotQA dev distractor) for qa_1 / qa_2")
         p.add_argument("--chat-template", default="auto", choices=["auto", "none"],
@@ -77,7 +77,7 @@ def add_parser(subparsers) -> None:
     report.add_argument("--out-dir", default="eval-results", help="where summary.md and the plots go")
     report.set_defaults(func=cmd_report)
 
-    export = sub.add_parser("export-prompts", help="write the suites' prompts for eval/kvpress_runner.py",
+    export = sub.add_parser("export-prompts", help="write the suites' prompts for eval/card/kvpress_runner.py",
                             formatter_class=formatter)
     suite_options(export)
     export.add_argument("--prompts-out", required=True)
@@ -139,7 +139,7 @@ def _methods(args):
 def _load(args):
     import torch
 
-    from ..models import load_model, model_display_name
+    from ...models import load_model, model_display_name
 
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
@@ -211,7 +211,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .kvpress_merge import export_prompts
+    from ..card.kvpress_merge import export_prompts
 
     try:
         _check_args(args)
@@ -230,7 +230,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_merge(args) -> int:
-    from .kvpress_merge import merge_kvpress
+    from ..card.kvpress_merge import merge_kvpress
 
     try:
         n = merge_kvpress(args.prompts, args.kvpress, args.out)

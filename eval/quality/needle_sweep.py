@@ -1,8 +1,8 @@
 """Word-needle sweep on a real model (default: the embedded one): how many needles dense and each dual
 configuration answer (issue 2's quality target: at 4K, budget 256, as many correct answers as dense).
 
-    python -m dual_cache.eval.needle_sweep --tokens 4096 --seeds 0-15 --budget 256 --out results/needle/4k
-    python -m dual_cache.eval.needle_sweep --model gemma3-270m --tokens 16384 --seeds 0-7 --out results/needle/gemma-16k
+    python -m dual_cache.eval.quality.needle_sweep --tokens 4096 --seeds 0-15 --budget 256 --out results/needle/4k
+    python -m dual_cache.eval.quality.needle_sweep --model gemma3-270m --tokens 16384 --seeds 0-7 --out results/needle/gemma-16k
 
 Writes `<out>.jsonl` (one row per seed: the answer and each method's text and correctness) and `<out>.md` (the
 table and the counts). Prompts are `needle.make_needle_prompt` ("The special magic number for <word> is: <7
@@ -17,15 +17,15 @@ import sys
 
 import torch
 
-from ..config import DualDecoderConfig
-from ..help_format import DefaultsHelpFormatter
-from ..models import model_display_name
+from ...config import DualDecoderConfig
+from ...help_format import DefaultsHelpFormatter
+from ...models import model_display_name
 from .methods import cache_config
 from .needle import format_chat, make_needle_prompt
-from .outputs import write_rows_and_table
+from ..outputs import write_rows_and_table
 
 METHODS = ("dense", "dual", "dual-no-drift", "dual-no-repair", "dual-none", "dual-exact", "dual-lowbit",
-           "oracle")  # names of eval/methods.py's registry
+           "oracle")  # names of eval/quality/methods.py's registry
 NEW_TOKENS = 24  # greedy tokens decoded per prompt
 
 
@@ -75,7 +75,7 @@ def load_tool_model(threads: int | None, name: str | None = None):
     unchanged)."""
     if threads is not None:
         torch.set_num_threads(threads)
-    from ..models import load_model
+    from ...models import load_model
 
     return load_model(name)
 
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0-15", help="e.g. 0-15 or 0,3,7")
     parser.add_argument("--budget", type=int, default=256, help="dual budget (tokens per KV head per layer)")
     parser.add_argument("--methods", nargs="+", default=["dense", "dual", "dual-no-repair"], choices=list(METHODS),
-                        help="eval methods to answer each prompt with (eval/methods.py)")
+                        help="eval methods to answer each prompt with (eval/quality/methods.py)")
     parser.add_argument("--threads", type=threads_arg, default=None, help="torch intra-op threads")
     parser.add_argument("--options", type=json_object, default={},
                         help="other DualDecoderConfig fields for every dual method, as JSON, e.g. "

@@ -4,7 +4,7 @@ Suites: `ruler` (`ruler.py`, generated offline), `longbench` (`longbench.py`, Hu
 (`fidelity.py`). For each prompt, every method runs back to back; rows are appended (and flushed) as they are
 produced, so a run can be stopped and resumed: rows already in the output file are skipped (`resume=True`).
 
-Row schema (one JSON object per line; the model-card renderer `dual_cache.eval.hub_card` reads it):
+Row schema (one JSON object per line; the model-card renderer `dual_cache.eval.card.hub_card` reads it):
 
 | key | type | meaning |
 |---|---|---|

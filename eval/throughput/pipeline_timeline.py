@@ -1,4 +1,4 @@
-"""Per-layer pipeline timeline of the dual cache: `python -m dual_cache.eval.pipeline_timeline`.
+"""Per-layer pipeline timeline of the dual cache: `python -m dual_cache.eval.throughput.pipeline_timeline`.
 
 Decodes a needle prompt with `record_timeline=True` at each context length, for the synchronous path
 (`retrieval_threads=0`) and the threaded one (`retrieval_threads=1`), and prints per layer the mean retrieval time
@@ -16,10 +16,10 @@ import sys
 
 import torch
 
-from ..cache import DualDecoderCache
-from ..timing import TimingStreamer
-from ..models import load_model
-from .needle import format_chat, make_needle_prompt
+from ...cache import DualDecoderCache
+from ...timing import TimingStreamer
+from ...models import load_model
+from ..quality.needle import format_chat, make_needle_prompt
 
 
 def summarize(timeline: list[dict], skip_steps: int = 1) -> list[dict]:
@@ -51,7 +51,7 @@ def run(model, ids: torch.Tensor, new_tokens: int, threads: int, budget: int) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dual_cache.eval.pipeline_timeline",
+    parser = argparse.ArgumentParser(prog="python -m dual_cache.eval.throughput.pipeline_timeline",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192], help="prompt tokens")
     parser.add_argument("--new-tokens", type=int, default=16)

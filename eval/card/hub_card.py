@@ -34,7 +34,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from ..config import DualDecoderConfig
+from ...config import DualDecoderConfig
 
 SECTION_BEGIN = "<!-- dual-cache:begin -->"
 SECTION_END = "<!-- dual-cache:end -->"

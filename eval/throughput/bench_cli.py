@@ -14,7 +14,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Throughput and memory benchmark: dense vs offloaded vs dual (vs Quest) over method x batch x "
                     "context x budget, and each method's throughput at its max batch under a device-memory cap and "
                     "the host memory available. Per-cell fields and the capacity search: docs at the top of "
-                    "dual_cache/eval/bench.py.",
+                    "eval/throughput/bench.py.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     bench.add_arguments(parser)

@@ -1,7 +1,7 @@
 """Throughput and memory benchmark: dense vs offloaded vs dual (vs Quest) over method × batch × context × budget,
 and each method's throughput at its max batch under a device-memory cap and the host memory available.
 
-Run it as `dual-decoder bench ...` (see `bench_cli.py`) or `python -m dual_cache.eval.bench ...`. The parts:
+Run it as `dual-decoder bench ...` (see `bench_cli.py`) or `python -m dual_cache.eval.throughput.bench ...`. The parts:
 `bench_grid.py` (methods, grid), `bench_models.py` (models, prompts), `bench_cell.py` (one timed `generate()`),
 `bench_accounting.py` (cache bytes), `bench_capacity.py` (max-batch search), `bench_report.py` (tables, plots),
 `forced_miss.py` (the benchmark-only forced miss rate); this file runs a whole grid and holds the command line.
@@ -54,7 +54,7 @@ from typing import Callable
 
 import torch
 
-from ..cache import available_host_bytes
+from ...cache import available_host_bytes
 from .bench_capacity import GIB, MemoryLimits, apply_device_cap, find_max_batch
 from .bench_cell import run_cell
 from .bench_grid import ALL_METHODS, CPU_LINEARS, BenchGrid, skipped_methods
@@ -199,7 +199,7 @@ def write_result(result: BenchResult, out_dir: str, plots: bool = True, cells_js
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# command line (shared by `dual-decoder bench` and `python -m dual_cache.eval.bench`)
+# command line (shared by `dual-decoder bench` and `python -m dual_cache.eval.throughput.bench`)
 # ----------------------------------------------------------------------------------------------------------------
 def _json_object(text: str) -> dict:
     try:
@@ -235,11 +235,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='further DualDecoderConfig fields as JSON, e.g. \'{"early_layers": 0}\'')
     parser.add_argument("--forced-miss-rate", type=float, default=None,
                         help="dual-forced-miss: fraction of live sequences repaired per step, as if their speculated "
-                             "token missed (benchmark only; eval/forced_miss.py)")
+                             "token missed (benchmark only; eval/throughput/forced_miss.py)")
     parser.add_argument("--cpu-linear", default="stock", choices=CPU_LINEARS,
                         help="CPU only: 'gemm' computes every method's few-row linears as W·xᵀ (1 row padded to 2), "
                              "the fast BLAS path on CPUs where F.linear's 2-row GEMM costs ~2x one row; "
-                             "see eval/cpu_linear.py")
+                             "see eval/throughput/cpu_linear.py")
     parser.add_argument("--device-budget-gib", type=float, default=None,
                         help="device memory cap (GiB, weights included) for the max-batch table; on CUDA this "
                              "process's allocations are capped there (one large GPU stands in for a smaller one)")
@@ -336,8 +336,8 @@ def run_from_args(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m dual_cache.eval.bench [options]` (same options as `dual-decoder bench`)."""
-    parser = argparse.ArgumentParser(prog="python -m dual_cache.eval.bench", description=__doc__,
+    """`python -m dual_cache.eval.throughput.bench [options]` (same options as `dual-decoder bench`)."""
+    parser = argparse.ArgumentParser(prog="python -m dual_cache.eval.throughput.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return run_from_args(parser.parse_args(argv))

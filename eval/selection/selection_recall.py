@@ -1,6 +1,6 @@
 """How much of the exact top-k attention mass each selector keeps, on a real model's keys and queries.
 
-    python -m dual_cache.eval.selection_recall --tokens 8192 --seeds 4-7 --threads 2 \
+    python -m dual_cache.eval.selection.selection_recall --tokens 8192 --seeds 4-7 --threads 2 \
         --configs exact lowbit 'lowbit:{"lowbit_factor": 2}' 'lowbit:{"lowbit_factor": 8}' \
         --out results/selection/smollm2-135m-8k-lowbit
 
@@ -28,15 +28,15 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..config import DualDecoderConfig
-from ..help_format import DefaultsHelpFormatter
-from ..host_store import HostKVStore
-from ..models import model_display_name
-from ..retrieval import group_attention_mass
-from ..selectors import SELECTORS, Candidates
-from .needle import format_chat, make_needle_prompt
-from .needle_sweep import load_tool_model, parse_seeds, threads_arg
-from .outputs import write_rows_and_table
+from ...config import DualDecoderConfig
+from ...help_format import DefaultsHelpFormatter
+from ...host_store import HostKVStore
+from ...models import model_display_name
+from ...retrieval import group_attention_mass
+from ...selectors import SELECTORS, Candidates
+from ..quality.needle import format_chat, make_needle_prompt
+from ..quality.needle_sweep import load_tool_model, parse_seeds, threads_arg
+from ..outputs import write_rows_and_table
 
 RECORDER = "dual_recall_recorder"
 _recording: dict | None = None  # layer -> (queries, keys, scaling) of the last chunk, while recording

@@ -6,7 +6,7 @@ neither `dual_cache` nor anything outside kvpress / transformers / torch. It rea
 into the main results happen back in the main environment with `dual-decoder eval merge-kvpress`.
 
     python -m venv .venv-kvpress && .venv-kvpress/bin/pip install kvpress gguf
-    .venv-kvpress/bin/python eval/kvpress_runner.py --prompts prompts.jsonl --model PATH_OR_ID \\
+    .venv-kvpress/bin/python eval/card/kvpress_runner.py --prompts prompts.jsonl --model PATH_OR_ID \\
         [--gguf-file SmolLM2-135M-Instruct.Q4_1.gguf] --presses snapkv streaming expected_attention \\
         --budgets 64 128 256 512 --out kvpress.jsonl
 

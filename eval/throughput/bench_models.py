@@ -57,7 +57,7 @@ def load_bench_model(name: str, device: torch.device):
         if device.type != "cuda":
             raise ValueError("--model llama8b needs --device cuda (a random 8B model in bf16).")
         return random_model(llama31_8b_config(), torch.bfloat16, device), None
-    from ..models import load_model
+    from ...models import load_model
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return load_model(None if name == "embedded" else name, dtype=dtype, device=str(device))
@@ -76,7 +76,7 @@ class PromptSource:
         self._cache: dict[tuple[int, int], list[int]] = {}
 
     def _needle_ids(self, context: int, seed: int) -> list[int]:
-        from .needle import format_chat, make_needle_prompt
+        from ..quality.needle import format_chat, make_needle_prompt
 
         key = (context, seed)
         if key not in self._cache:

@@ -1,6 +1,6 @@
 """Agentic use on the embedded model: questions over one shared document, and a conversation on one cache.
 
-    python -m dual_cache.eval.agentic --tokens 8192 --questions 8 --out results/agentic/embedded-8k
+    python -m dual_cache.eval.throughput.agentic --tokens 8192 --questions 8 --out results/agentic/embedded-8k
 
 1. **Shared document.** A document of `--tokens` tokens (the Python reference, `needle.reference_document`) holds
    one word needle per question ("The special magic number for <word> is: <7 digits>."). Each question is asked as
@@ -25,10 +25,10 @@ import time
 
 import torch
 
-from ..cache import DualDecoderCache
-from .needle import NEEDLE_WORDS, reference_document
-from .needle_sweep import load_tool_model, threads_arg
-from .outputs import write_rows_and_table
+from ...cache import DualDecoderCache
+from ..quality.needle import NEEDLE_WORDS, reference_document
+from ..quality.needle_sweep import load_tool_model, threads_arg
+from ..outputs import write_rows_and_table
 
 NEW_TOKENS = 24
 
@@ -151,7 +151,7 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
     shared, talk = rows
     return "\n".join([
         f"Agentic use on the embedded SmolLM2-135M, this CPU, budget {args.budget}, greedy, {NEW_TOKENS} new tokens "
-        f"(`python -m dual_cache.eval.agentic --tokens {args.tokens} --questions {args.questions}`).", "",
+        f"(`python -m dual_cache.eval.throughput.agentic --tokens {args.tokens} --questions {args.questions}`).", "",
         f"**{args.questions} questions over one {shared['document_tokens']}-token document**", "",
         "| | seconds | host bytes | correct |", "|---|---|---|---|",
         f"| re-prefill per question | {shared['reprefill_seconds']:.1f} | — | "

@@ -1,6 +1,6 @@
 """Where a dual decode step's time goes, next to a dense step, on the demo's prompt (embedded model, CPU).
 
-    python -m dual_cache.eval.step_profile --tokens 4096 --new 32 --out results/demo-step-profile
+    python -m dual_cache.eval.throughput.step_profile --tokens 4096 --new 32 --out results/demo-step-profile
 
 Rows (milliseconds per decode step, medians of the timed steps): the dense step (one token); a dense forward of two
 tokens over the same prompt (what the second row of a two-token forward costs without any of the cache's work); the
@@ -40,7 +40,7 @@ def profile(tokens: int, new: int, seed: int = 0) -> dict:
     import dual_cache
     from transformers import DynamicCache
 
-    from .needle import make_needle_prompt, format_chat
+    from ..quality.needle import make_needle_prompt, format_chat
 
     model, tokenizer = dual_cache.load_default_model()
     prompt = make_needle_prompt(tokenizer, tokens, seed=seed)
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out + ".json", "w", encoding="utf-8") as handle:
             json.dump(row, handle, indent=2)
         with open(args.out + ".md", "w", encoding="utf-8") as handle:
-            handle.write(text + f"\n`python -m dual_cache.eval.step_profile --tokens {args.tokens} --new {args.new}`\n")
+            handle.write(text + f"\n`python -m dual_cache.eval.throughput.step_profile --tokens {args.tokens} --new {args.new}`\n")
     return 0
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 
-from .harness import RowWriter, read_rows, row_key, score_prediction
+from ..quality.harness import RowWriter, read_rows, row_key, score_prediction
 
 
 def export_prompts(items, path: str, model_name: str) -> None:

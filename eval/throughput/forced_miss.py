@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import DualDecoderCache
+from ...cache import DualDecoderCache
 
 
 class ForcedMissCache(DualDecoderCache):

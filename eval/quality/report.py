@@ -12,7 +12,7 @@ import os
 from collections import defaultdict
 from statistics import mean
 
-from .outputs import mib
+from ..outputs import mib
 
 METHOD_ORDER = ("dense", "dual", "dual-no-repair", "dual-none", "oracle", "quest", "streaming")
 

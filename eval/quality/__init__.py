@@ -1,0 +1,1 @@
+"""The quality harness: RULER, LongBench, fidelity to dense, word needles, their metrics, and the report."""

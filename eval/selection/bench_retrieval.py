@@ -1,0 +1,278 @@
+"""Host retrieval cost per decode step, selector by selector, on random keys of a given model shape.
+
+    python -m dual_cache.eval.selection.bench_retrieval --contexts 32768 131072 --batches 1 8 \
+        --selectors torch-exact exact lowbit --pools 1 2 --out results/bench/host-retrieval
+
+On an H200 the dual cache decoded a Llama-3.1-8B-shaped model at 32K tokens at 2 tokens/s because the host scored
+every key of every layer each step (results/gpu/h200-32k.md). This measures that host work alone on this machine's
+CPU: per cell, `--distinct-layers` layers' host stores of `context` random keys (default shape: Llama-3.1-8B, 32
+query / 8 KV heads of 128, bf16), each with its own selector (`dual_cache.selectors`). A timed step appends one token
+to every store, then runs every layer's retrieval job — the selector's choice for a random query among the positions
+past the sink and before the local window, then the gather of the chosen K/V into a staging buffer — on a pool of
+`--pools` threads (1: one thread at torch's intra-op thread count; N > 1: N threads of one intra-op thread each, as
+`TransferSchedule` runs them). With `--shared-prefix`, the batch continues one stored sequence of `context` tokens
+(`HostKVStore.share`): exact selection scores every query against the shared keys in one product; lowbit scans
+each sequence's copy of the prefix's index. Distinct layers keep each selector's index out of the CPU caches as in
+decoding; the step time is scaled to `--layers` layers.
+
+The selectors of a cell run side by side over the same stores, each step in a rotated order (a change in the host's
+load reaches them alike). Per row: `ms_per_step` (median over `--repeats` steps, after one warm-up), `ms_per_layer`,
+`key_mib_read_per_step` (key bytes a step reads: every key for `exact`; the scanned channels' codes, every group
+parameter, then the shortlisted keys and the uncovered tail whole for `lowbit`), `index_host_bytes` (per layer,
+beyond the K/V) and `index_fraction` (of the layer's K/V bytes), `build_ms_per_1k_tokens` (building the index over
+the prompt, per layer, per sequence), `effective_gbps` (key bytes read per second of selection), `host_read_gbps`
+(this host's read bandwidth at the same thread count, measured in the same run by a large reduction), `engine` (the
+native engine variant, or `torch` for `torch-exact`), and `exact / this` from the same run. Timings do not depend on
+key values; quality is measured on real keys by `dual_cache.eval.selection.selection_recall`. Writes `<out>.json` and
+`<out>.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ...config import DualDecoderConfig
+from ...engine import native
+from ...help_format import DefaultsHelpFormatter
+from ...host_store import HostKVStore, advise_huge_pages
+from ...retrieval import select as torch_select
+from ...selectors import SELECTORS, Candidates
+from ..outputs import write_rows_and_table
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PREFETCHED = [name for name, cls in SELECTORS.items() if cls.prefetched]
+TORCH_EXACT = "torch-exact"  # exact selection in torch ops (bf16 products, torch.topk): the path before the engine
+
+
+def host_read_gbps(threads: int, mib: int = 512, repeats: int = 5) -> float:
+    """This host's read bandwidth (GB/s): the best of `repeats` sums of a `mib` MiB float32 tensor on `threads`
+    torch threads (a large reduction streams memory at close to the machine's read speed)."""
+    data = torch.empty(mib * 2**20 // 4)
+    advise_huge_pages(data)
+    data.fill_(1.0)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            data.sum()
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(previous)
+    return data.nbytes / best / 1e9
+
+
+def _store(batch: int, kv_heads: int, dim: int, tokens: int, capacity: int, dtype: torch.dtype,
+           seed: int) -> HostKVStore:
+    store = HostKVStore(batch, kv_heads, dim, dtype, chunk_tokens=4096)
+    store.reserve(capacity)
+    gen = torch.Generator().manual_seed(seed)
+    for lo in range(0, tokens, 4096):
+        block = torch.randn(batch, kv_heads, min(4096, tokens - lo), dim, generator=gen).to(dtype)
+        store.append(block, block)
+    return store
+
+
+def measure(context: int, batch: int, selector_names: list[str], pool: int, args: argparse.Namespace) -> list[dict]:
+    """One cell per selector, timed side by side: every step runs each selector's jobs over the same stores, in an
+    order that rotates from step to step, so that a change in the host's load reaches every selector alike. A
+    row's `ms_per_step` is the median over the steps of its wall seconds for `args.distinct_layers` layers, scaled
+    to `args.layers`."""
+    dtype = DTYPES[args.dtype]
+    steps = args.repeats + 1
+    stored = 1 if args.shared_prefix else batch  # a shared prefix: one sequence's keys, continued by the batch
+    stores = [_store(stored, args.kv_heads, args.head_dim, context, context + steps, dtype, seed=context + layer)
+              for layer in range(args.distinct_layers)]
+    selectors, build = {}, {}
+    for name in selector_names:
+        config = DualDecoderConfig(selector="exact" if name == TORCH_EXACT else name, **args.options)
+        selectors[name] = [SELECTORS[config.selector](config, args.budget, store, "cpu") for store in stores]
+        start = time.perf_counter()
+        for selector in selectors[name]:
+            selector.extend(context, torch.zeros(stored, dtype=torch.long))
+        build[name] = time.perf_counter() - start
+    if args.shared_prefix:
+        for store in stores:
+            store.share(batch)
+        for name in selector_names:
+            for selector in selectors[name]:
+                selector.share()
+    first_real = torch.zeros(batch, dtype=torch.long)
+    query = torch.randn(batch, args.heads, args.head_dim, generator=torch.Generator().manual_seed(batch))
+    staging = [[torch.empty(batch, args.kv_heads, args.budget, args.head_dim, dtype=dtype) for _ in range(2)]
+               for _ in stores]
+    scaling = args.head_dim ** -0.5
+    extra = torch.randn(batch, args.kv_heads, 1, args.head_dim).to(dtype)
+
+    def job(name: str, layer: int, candidates: Candidates) -> None:
+        if name == TORCH_EXACT:
+            keys = stores[layer].key_chunks(candidates.end)
+            indices, _ = torch_select(query, keys, candidates.mask, args.budget, scaling)
+            stores[layer].gather(indices, out=staging[layer])
+        else:  # selection and the gather of the chosen K/V (one engine call for the engine's selectors)
+            selectors[name][layer].select_into(query, candidates, scaling, staging[layer])
+
+    executor = ThreadPoolExecutor(max_workers=pool, initializer=torch.set_num_threads if pool > 1 else None,
+                                  initargs=(1,) if pool > 1 else ())
+    times = {name: [] for name in selector_names}
+    try:
+        for step in range(steps):
+            for store in stores:
+                store.append(extra, extra)
+            hi = context + step + 1 - args.window
+            candidates = Candidates(torch.arange(hi)[None, :].expand(batch, hi) >= args.sink, first_real)
+            shift = step % len(selector_names)
+            for name in selector_names[shift:] + selector_names[:shift]:
+                start = time.perf_counter()
+                for future in [executor.submit(job, name, layer, candidates) for layer in range(len(stores))]:
+                    future.result()
+                if step:  # the first step warms up
+                    times[name].append(time.perf_counter() - start)
+    finally:
+        executor.shutdown()
+    rows = []
+    for name in selector_names:
+        per_step = statistics.median(times[name]) * args.layers / len(stores)
+        scanned, gathered = selectors[name][0].key_bytes_read(context - args.window)
+        read = stored * scanned + batch * gathered  # a shared prefix is scanned once for the whole batch
+        index_bytes = selectors[name][0].host_bytes
+        rows.append({
+            "context": context, "batch": batch, "selector": name, "pool": pool,
+            "torch_threads": torch.get_num_threads() if pool == 1 else 1,
+            "ms_per_step": per_step * 1e3, "ms_per_layer": per_step * 1e3 / args.layers,
+            "key_mib_read_per_step": read * args.layers / 2**20,
+            "index_host_bytes": index_bytes, "index_fraction": index_bytes / stores[0].nbytes,
+            "build_ms_per_1k_tokens": build[name] * 1e3 / len(stores) / stored / (context / 1000),
+            "effective_gbps": read / (per_step / args.layers) / 1e9,
+            "host_read_gbps": args.bandwidth[pool if pool > 1 else torch.get_num_threads()],
+            "engine": "torch" if name == TORCH_EXACT else native.active_variant(),
+            "budget": args.budget, "dtype": args.dtype, "options": args.options, "shared_prefix": args.shared_prefix,
+        })
+    for name in selector_names:
+        for selector in selectors[name]:
+            selector.free()
+    for store in stores:
+        store.free()
+    return rows
+
+
+def _num(value: float) -> str:
+    """Three significant digits below 100, whole numbers with thousands separators above."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def markdown(rows: list[dict], args: argparse.Namespace) -> str:
+    """The table, with exact/this step-time ratios per (context, batch, pool)."""
+    lines = [
+        f"Host retrieval per decode step on this CPU: shape {args.heads} query / {args.kv_heads} KV heads × "
+        f"{args.head_dim}, {args.layers} layers ({args.distinct_layers} distinct, scaled), {args.dtype}, budget "
+        f"{args.budget}; options {json.dumps(args.options)}"
+        f"{'; the batch shares one stored prefix of `context` tokens' if args.shared_prefix else ''}. Selectors "
+        "timed side by side, in a rotating order per step. pool = retrieval threads (1: one thread at "
+        f"{rows[0]['torch_threads'] if rows[0]['pool'] == 1 else 'torch default'} intra-op threads; N > 1: one "
+        "intra-op thread each).", "",
+        "| context | batch | selector | pool | ms/layer | ms/step | key MiB read/step | index / KV | build ms per 1K "
+        "tokens·layer | GB/s read (host GB/s) | exact / this |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    exact = {(r["context"], r["batch"], r["pool"]): r["ms_per_step"] for r in rows if r["selector"] == "exact"}
+    for r in rows:
+        base = exact.get((r["context"], r["batch"], r["pool"]))
+        ratio = f"{base / r['ms_per_step']:.1f}×" if base else "—"
+        lines.append(
+            f"| {r['context']} | {r['batch']} | {r['selector']} | {r['pool']} | {_num(r['ms_per_layer'])} | "
+            f"{_num(r['ms_per_step'])} | {_num(r['key_mib_read_per_step'])} | {r['index_fraction']:.1%} | "
+            f"{_num(r['build_ms_per_1k_tokens'])} | {r['effective_gbps']:.1f} ({r['host_read_gbps']:.1f}) | {ratio} |"
+        )
+    pools = sorted({r["pool"] for r in rows})
+    if len(pools) > 1:
+        lines += ["", f"Thread scaling (ms/step at pool {pools[0]} / at pool {pools[-1]}):", ""]
+        by = {(r["context"], r["batch"], r["selector"], r["pool"]): r["ms_per_step"] for r in rows}
+        for (context, batch, selector, pool), value in by.items():
+            if pool == pools[0] and (context, batch, selector, pools[-1]) in by:
+                lines.append(f"- {selector}, {context} tokens, batch {batch}: "
+                             f"{value / by[context, batch, selector, pools[-1]]:.2f}×")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dual-decoder bench-retrieval", description=__doc__.split("\n\n")[0],
+                                     formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072],
+                        help="tokens stored per sequence, one cell each")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1], help="sequences per step, one cell each")
+    parser.add_argument("--selectors", nargs="+", default=["exact", DualDecoderConfig().selector],
+                        choices=[*PREFETCHED, TORCH_EXACT],
+                        help=f"selectors to time; {TORCH_EXACT!r}: exact selection in torch ops, as before the engine")
+    parser.add_argument("--pools", type=int, nargs="+", default=[1],
+                        help="retrieval threads running the layers' jobs (1: one at a time, each call on --threads "
+                             "engine threads; N > 1: N layers at once, one engine thread each)")
+    parser.add_argument("--budget", type=int, default=256, help="tokens per KV head")
+    parser.add_argument("--options", type=json.loads, default={},
+                        help='other DualDecoderConfig fields as JSON, e.g. \'{"lowbit_factor": 4}\'')
+    parser.add_argument("--heads", type=int, default=32, help="query heads (the default shape: Llama-3.1-8B)")
+    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads")
+    parser.add_argument("--head-dim", type=int, default=128, help="channels per head")
+    parser.add_argument("--layers", type=int, default=32, help="layers per step (scales the measured step)")
+    parser.add_argument("--distinct-layers", type=int, default=4, help="layers with their own store and index")
+    parser.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="stored K/V dtype")
+    parser.add_argument("--sink", type=int, default=4, help="sink tokens (never selected)")
+    parser.add_argument("--window", type=int, default=64, help="local window (never selected)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed steps per cell (after one warm-up)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op and engine threads per call at pool 1 (default: torch's)")
+    parser.add_argument("--shared-prefix", action="store_true",
+                        help="the batch continues one stored sequence of `context` tokens (kept once; every query is "
+                             "scored against it in one product)")
+    parser.add_argument("--out", default=None, help="output path without extension (writes .json and .md)")
+    args = parser.parse_args(argv)
+    problems = [f"--{name.replace('_', '-')} must be >= 1" for name in
+                ("budget", "heads", "kv_heads", "head_dim", "layers", "repeats", "distinct_layers")
+                if getattr(args, name) < 1]
+    if not isinstance(args.options, dict) or "selector" in args.options:
+        problems.append("--options must be a JSON object of DualDecoderConfig fields other than selector")
+    else:
+        try:  # each selector's own options are checked with that selector
+            for name in args.selectors:
+                DualDecoderConfig.from_dict({**args.options, "selector": "exact" if name == TORCH_EXACT else name})
+        except (ValueError, TypeError) as error:
+            problems.append(f"--options: {error}")
+    if args.sink < 0 or args.window < 1:
+        problems.append("--sink must be >= 0 and --window >= 1")
+    if args.kv_heads >= 1 and args.heads % args.kv_heads:
+        problems.append("--heads must be a multiple of --kv-heads")
+    if min(args.batches) < 1 or min(args.pools) < 1 or min(args.contexts) <= args.window + args.sink + args.budget:
+        problems.append("--batches and --pools must be >= 1 and every --contexts value > window + sink + budget")
+    if args.threads is not None and args.threads < 1:
+        problems.append("--threads must be >= 1")
+    if problems:
+        print("error: " + "; ".join(problems) + ".", file=sys.stderr)
+        return 2
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    args.bandwidth = {threads: host_read_gbps(threads)
+                      for threads in {*(p for p in args.pools if p > 1), torch.get_num_threads()}}
+    rows = []
+    for context in args.contexts:
+        for batch in args.batches:
+            for pool in args.pools:
+                for row in measure(context, batch, list(dict.fromkeys(args.selectors)), pool, args):
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    table = markdown(rows, args)
+    print(table)
+    if args.out:
+        write_rows_and_table(args.out, rows, table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
