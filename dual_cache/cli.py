@@ -17,6 +17,7 @@ from .config import SELECTORS, DualDecoderConfig
 from .help_format import DefaultsHelpFormatter
 from .host_memory import format_bytes
 from .models import NAMED_MODELS, ModelNotInstalledError
+from .serving.cli import cache_config
 from .timing import TimingStreamer
 
 
@@ -109,13 +110,16 @@ _FLAGS = {"budget": "--budget", "n_sink": "--n-sink", "window": "--window", "rep
 
 
 def _dual_config(args) -> DualDecoderConfig:
-    """The run's `DualDecoderConfig`; its `ValueError`s name the command-line flags (`--n-sink`), not the fields."""
+    """The run's `DualDecoderConfig`: `--cache-config` (or the defaults) with the flags given on the command line
+    applied; its `ValueError`s name the flags (`--n-sink`), not the fields."""
+    changes = {field: getattr(args, field) for field in _FLAGS if hasattr(args, field)}
+    for field in ("speculator", "selector"):
+        if hasattr(args, field):
+            changes[field] = getattr(args, field)
+    if hasattr(args, "no_miss_repair"):
+        changes["miss_repair"] = False
     try:
-        return DualDecoderConfig(
-            budget=args.budget, n_sink=args.n_sink, window=args.window, speculator=args.speculator,
-            miss_repair=not args.no_miss_repair, repair_drift=args.repair_drift, selector=args.selector,
-            lowbit_factor=args.lowbit_factor, lowbit_channels=args.lowbit_channels, prefill_progress=True,
-        )
+        return (args.cache_config or DualDecoderConfig()).replace(prefill_progress=True, **changes)
     except ValueError as error:
         message = str(error)
         for field, flag in _FLAGS.items():
@@ -133,6 +137,8 @@ def cmd_generate(args) -> int:
         raise ValueError(f"cannot read --prompt-file {args.prompt_file}: {error}") from None
     if not document.strip():
         raise ValueError(f"--prompt-file {args.prompt_file} is empty.")
+    if not args.question.strip():
+        raise ValueError("--question is empty; ask something about the document.")
     config = _dual_config(args)
     model, tokenizer = load_model(args.model)
     text = f"{document}\n\n{args.question}"
@@ -184,30 +190,42 @@ def demo_reading(dense: str, dual: str, info: dict) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog="dual-decoder", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def dual_options(p):
-        p.add_argument("--budget", type=int, default=256,
-                       help="tokens retrieved per KV head per layer (0: sink and window only)")
-        p.add_argument("--n-sink", type=int, default=4, help="sink tokens kept on the device")
-        p.add_argument("--window", type=int, default=64, help="local window kept on the device (tokens)")
-        p.add_argument("--speculator", default="self", choices=["self", "ngram", "none"],
+        # Flags given on the command line override --cache-config's fields; the rest keep its values (or, without
+        # it, DualDecoderConfig's defaults, named in each help text). Flags not given are absent from `args`.
+        base = DualDecoderConfig()
+        given = argparse.SUPPRESS
+        p.add_argument("--cache-config", type=cache_config, default=None,
+                       help="DualDecoderConfig fields as JSON, or a JSON file, e.g. '{\"budget\": 512, "
+                            "\"early_layers\": 2}' (docs/usage.md lists them); the flags below override it "
+                            "(default: DualDecoderConfig's defaults)")
+        p.add_argument("--budget", type=int, default=given,
+                       help=f"tokens retrieved per KV head per layer (0: sink and window only) (default: {base.budget})")
+        p.add_argument("--n-sink", type=int, default=given,
+                       help=f"sink tokens kept on the device (default: {base.n_sink})")
+        p.add_argument("--window", type=int, default=given,
+                       help=f"local window kept on the device, tokens (default: {base.window})")
+        p.add_argument("--speculator", default=given, choices=["self", "ngram", "none"],
                        help="where the speculated token comes from: the model's own guess (a second token "
                             "decoded beside the real one), an n-gram of the context, or none (select with the real "
-                            "token's query, synchronously)")
-        p.add_argument("--selector", default=DualDecoderConfig().selector, choices=list(SELECTORS),
+                            f"token's query, synchronously) (default: {base.speculator})")
+        p.add_argument("--selector", default=given, choices=list(SELECTORS),
                        help="host selection (dual_cache/selectors/): exact top-k over every key (native engine), "
                             "lowbit (2-bit key index + exact rescoring), oracle (the real token's own top-k, "
-                            "evaluation), quest (the Quest baseline)")
-        p.add_argument("--lowbit-factor", type=int, default=DualDecoderConfig.lowbit_factor,
-                       help="lowbit: positions rescored exactly per KV head, as a multiple of the budget")
-        p.add_argument("--lowbit-channels", type=float, default=DualDecoderConfig.lowbit_channels,
-                       help="lowbit: fraction of the key channels the 2-bit scan reads, in (0, 1]")
-        p.add_argument("--no-miss-repair", action="store_true",
+                            f"evaluation), quest (the Quest baseline) (default: {base.selector})")
+        p.add_argument("--lowbit-factor", type=int, default=given,
+                       help="lowbit: positions rescored exactly per KV head, as a multiple of the budget "
+                            f"(default: {base.lowbit_factor})")
+        p.add_argument("--lowbit-channels", type=float, default=given,
+                       help="lowbit: fraction of the key channels the 2-bit scan reads, in (0, 1] "
+                            f"(default: {base.lowbit_channels})")
+        p.add_argument("--no-miss-repair", action="store_true", default=given,
                        help="keep a mis-speculated step's prefetched entries (no synchronous re-selection)")
-        p.add_argument("--repair-drift", type=_drift_threshold, default=DualDecoderConfig.repair_drift,
+        p.add_argument("--repair-drift", type=_drift_threshold, default=given,
                        help="also re-select a layer's entries on a hit step when the real query drifted this far "
-                            "(relative L2) from the speculated one; 'off' disables")
+                            f"(relative L2) from the speculated one; 'off' disables (default: {base.repair_drift})")
         p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate")
 
     defaults = DefaultsHelpFormatter
@@ -225,7 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     demo = sub.add_parser("demo", help="needle question over a 4K-token document: dense vs dual, embedded model",
-                          formatter_class=defaults)
+                          description="Ask the embedded SmolLM2-135M-Instruct for one needle hidden in a document "
+                                      "(--tokens long), once with the dense default cache and once with the dual "
+                                      "cache; print both answers, prefill and decode speed, the KV bytes each "
+                                      "holds, and what the numbers mean on this machine.", formatter_class=defaults)
     demo.add_argument("--tokens", type=int, default=4096, help="prompt length in tokens")
     demo.add_argument("--seed", type=int, default=0, help="picks the document and the needle")
     dual_options(demo)
@@ -247,6 +268,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _innermost_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)command `args` was parsed for (`dual-decoder eval run`'s for `eval run ...`)."""
+    while True:
+        actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not actions or getattr(args, actions[0].dest, None) not in actions[0].choices:
+            return parser
+        parser = actions[0].choices[getattr(args, actions[0].dest)]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `dual-decoder` console script."""
     from .eval import tools_cli
@@ -254,7 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     tool = tools_cli.run(sys.argv[1:] if argv is None else argv)
     if tool is not None:
         return tool
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the error names the (sub)command whose --help lists the valid options
+        _innermost_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.func in (cmd_generate, cmd_demo):
             _dual_config(args)  # validate options before loading anything

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import json
 import math
 import numbers
 import os
@@ -137,10 +139,33 @@ class DualDecoderConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
+            close = {name: difflib.get_close_matches(name, known, n=1) for name in unknown}
+            hints = "; ".join(f"{name!r}: did you mean {match[0]!r}?" for name, match in close.items() if match)
             raise ValueError(
-                f"Unknown dual cache option(s) {unknown}. Valid options: {sorted(known)}."
+                f"Unknown dual cache option(s) {unknown}{' (' + hints + ')' if hints else ''}. "
+                f"Valid options: {sorted(known)}."
             )
         return cls(**values)
+
+    @classmethod
+    def from_json(cls, text: str) -> "DualDecoderConfig":
+        """Build from a JSON object of fields (`'{"budget": 512}'`) or the path of a file holding one (the CLI's
+        `--cache-config`). Raises `ValueError` for a missing or unreadable file, text that is not a JSON object, or
+        bad fields (`from_dict`)."""
+        stripped = text.strip()
+        if not stripped.startswith("{"):  # a path
+            try:
+                with open(stripped, encoding="utf-8") as handle:
+                    stripped = handle.read()
+            except (OSError, UnicodeDecodeError) as error:
+                raise ValueError(f"neither a JSON object nor a readable file: {error}") from None
+        try:
+            values = json.loads(stripped)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"not a JSON object ({error})") from None
+        if not isinstance(values, dict):
+            raise ValueError(f"must be a JSON object of DualDecoderConfig fields, got {type(values).__name__}")
+        return cls.from_dict(values)
 
     def replace(self, **changes: Any) -> "DualDecoderConfig":
         """A validated copy with `changes` applied."""

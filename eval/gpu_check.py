@@ -22,6 +22,7 @@ import torch
 
 from ..cache import DualDecoderCache
 from ..config import DualDecoderConfig
+from ..help_format import DefaultsHelpFormatter
 from .throughput.bench_models import random_model
 
 
@@ -117,8 +118,13 @@ def check_correctness(device: torch.device, tiny: bool) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --tiny)")
+    parser = argparse.ArgumentParser(
+        prog="dual-decoder gpu-check", formatter_class=DefaultsHelpFormatter,
+        description="GPU correctness checks of the pipeline on a small real-shaped model: the full-budget dual cache "
+                    "equals dense greedy decoding on the device, the pipelined path equals the synchronous one "
+                    "(tokens and selections), and the device's first-step selections agree with the CPU "
+                    "reference's. PASS / FAIL lines, gpu_check.json in --out; exit status 1 when a check fails.")
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu (with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="toy sizes: a smoke run, e.g. on CPU")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json (default $OUT)")
     args = parser.parse_args(argv)

@@ -10,10 +10,11 @@ Every number comes from a committed result file (the row names it), so the READM
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from statistics import mean
+
+from ..help_format import DefaultsHelpFormatter
 
 BEGIN, END = "<!-- report:begin -->", "<!-- report:end -->"
 MIB = 2 ** 20
@@ -153,7 +154,7 @@ def plot(path: str, root: str = "results") -> None:
 def add_parser(sub) -> None:
     report = sub.add_parser("report", help="the README's results table (and plot) from results/",
                             description=__doc__.split("\n\n")[0],
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                            formatter_class=DefaultsHelpFormatter)
     report.add_argument("--results", default="results", help="results folder")
     report.add_argument("--write", default=None, help="file whose report markers receive the table")
     report.add_argument("--plot", default=None, help="also write the device-KV bar chart (.png)")

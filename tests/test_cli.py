@@ -31,7 +31,8 @@ def test_demo_tokens_beyond_the_model_positions_is_refused_before_the_prompt_is_
     assert err.count("\n") == 1 and "exceed the model's 2048 positions" in err and "--tokens" in err
 
 
-@pytest.mark.parametrize("command", [["serve"], ["generate"], ["eval", "run"], ["bench-retrieval"], ["needle"]])
+@pytest.mark.parametrize("command", [["serve"], ["generate"], ["eval", "run"], ["bench-retrieval"], ["needle"],
+                                     ["bench-serve"], ["bench"], ["agentic"], ["report"]])
 def test_help_shows_defaults_without_noise(command, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "400")  # one line per option
     with pytest.raises(SystemExit):
@@ -40,8 +41,11 @@ def test_help_shows_defaults_without_noise(command, capsys, monkeypatch):
     assert "(default: None)" not in out and "(default: False)" not in out and "DualDecoderConfig(" not in out
     expected = {"serve": "(default: 8000)", "generate": "(default: 256)",
                 "eval": "(default: eval-results/results.jsonl)",
-                "bench-retrieval": "(default: [32768, 131072])", "needle": "(default: 4096)"}[command[0]]
+                "bench-retrieval": "(default: [32768, 131072])", "needle": "(default: 4096)",
+                "bench-serve": "(default: 16)", "bench": "(default: 32)", "agentic": "(default: 8192)",
+                "report": "(default: results)"}[command[0]]
     assert expected in out
+    assert not any(line.count("(default") > 1 for line in out.splitlines()), "a default printed twice"
 
 
 @pytest.mark.parametrize("model, message", [
@@ -65,3 +69,46 @@ def test_an_out_of_range_option_is_named_by_its_flag(capsys):
     assert cli.main(["generate", "--prompt-file", "README.md", "--question", "q", "--n-sink", "-1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: --n-sink")
+
+
+@pytest.mark.parametrize("argv, prog", [
+    (["generate", "--prompt-file", "README.md", "--question", "q", "--bogus"], "dual-decoder generate"),
+    (["eval", "run", "--bogus"], "dual-decoder eval run"),
+])
+def test_an_unknown_option_points_to_its_own_commands_help(argv, prog, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{prog}: error: unrecognized arguments: --bogus") and f"(see {prog} --help)" in err
+
+
+def test_an_empty_question_is_refused_before_the_model_loads(monkeypatch, capsys):
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("no model may load for an empty question"))
+    assert cli.main(["generate", "--prompt-file", "README.md", "--question", "  "]) == 2
+    assert capsys.readouterr().err.startswith("error: --question is empty")
+
+
+def test_cache_config_fields_are_kept_and_the_flags_given_override_them(tmp_path):
+    path = tmp_path / "cache.json"
+    path.write_text('{"budget": 128, "early_layers": 0, "n_sink": 2}')
+    for source in (str(path), path.read_text()):
+        args = cli.build_parser().parse_args(["generate", "--prompt-file", "x", "--question", "q",
+                                              "--cache-config", source, "--n-sink", "8", "--no-miss-repair"])
+        config = cli._dual_config(args)
+        assert (config.budget, config.early_layers, config.n_sink, config.miss_repair) == (128, 0, 8, False)
+    args = cli.build_parser().parse_args(["generate", "--prompt-file", "x", "--question", "q"])
+    defaults = cli._dual_config(args)
+    assert defaults.replace(prefill_progress=False) == cli.DualDecoderConfig()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("/no/such/file.json", "neither a JSON object nor a readable file"),
+    ('{"budget": 256', "not a JSON object"),
+    ('{"budgte": 256}', "did you mean 'budget'"),
+])
+def test_a_bad_cache_config_is_one_line_saying_what_to_change(text, message, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--prompt-file", "README.md", "--question", "q", "--cache-config", text])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "--cache-config" in err

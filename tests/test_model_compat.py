@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from dual_cache import DualDecoderCache, DualDecoderConfig, DualLayer
+from dual_cache import DualDecoderCache, DualDecoderConfig
 from dual_cache.host_store import live_host_bytes
 from tests.conftest import tiny_llama
 

@@ -129,7 +129,7 @@ def library(variant: str | None = None) -> ctypes.CDLL | None:
     (`_best_loadable`); when none does, one warning naming the cause and None. A variant named explicitly that
     cannot run raises `RuntimeError`.
     """
-    global _failure, _warned
+    global _warned
     wanted = variant or choice()
     if wanted == "reference":
         return None
@@ -187,8 +187,16 @@ def active_variant() -> str:
     return "reference" if lib is None else next(name for name, loaded in _loaded.items() if loaded is lib)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     """Build every variant this CPU runs and print which one is used (`python -m dual_cache.engine`)."""
+    import argparse
+
+    argparse.ArgumentParser(
+        prog="python -m dual_cache.engine",
+        description="Build every variant of the native selection engine this CPU can run (scalar, avx2, avx512), "
+                    "report each build, and say which variant DUAL_CACHE_ENGINE (default auto: the best that "
+                    "builds) selects. Builds are cached under ~/.cache/dual-cache/engine (DUAL_CACHE_ENGINE_DIR).",
+    ).parse_args(argv)
     try:
         variants = supported_variants()
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:

@@ -14,15 +14,16 @@ decoding is greedy.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import statistics
 import sys
 import threading
 import time
 
 import torch
+
+from ..config import DualDecoderConfig
+from ..help_format import DefaultsHelpFormatter
 
 SYSTEMS = ("dual", "dense", "static", "generate-batch")
 
@@ -95,7 +96,7 @@ def run_scheduler(model, requests, args, dense: bool) -> list[dict]:
 def run_static(model, requests, args, pad_id: int) -> list[dict]:
     from ..cache import DualDecoderCache
 
-    out, start, free_at = [], time.perf_counter(), 0.0
+    out, start = [], time.perf_counter()
     peak = {"device": 0, "host": 0}
     for first in range(0, len(requests), args.max_batch):
         batch = requests[first:first + args.max_batch]
@@ -132,7 +133,6 @@ def run_static(model, requests, args, pad_id: int) -> list[dict]:
             new = output.sequences[row, width:width + r["max_tokens"]]
             out.append({"arrived": r["at"], "first": first_token[0], "finished": end, "tokens": int(new.numel()),
                         "error": None})
-        free_at = end
     out[0]["peak"] = peak
     return out
 
@@ -216,20 +216,29 @@ def add_parser(sub) -> None:
     from .cli import cache_config
 
     p = sub.add_parser("bench-serve", help="serving benchmark: Poisson arrivals, dual vs dense vs static generate()",
-                       description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=None, help="named model, .gguf, folder or Hub id (default: embedded)")
-    p.add_argument("--requests", type=int, default=16)
+                       description="Serving benchmark: a Poisson stream of long-context requests with mixed output "
+                                   "lengths, served by this scheduler with the dual cache (dual), the same scheduler "
+                                   "with DynamicCache rows (dense), static generate() batches (static) and "
+                                   "transformers' continuous batching (generate-batch); output tokens/s, time to "
+                                   "first token and per output token, peak KV bytes (docs/serving.md).",
+                       formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--model", default=None,
+                   help="named model, .gguf, folder or Hub id (default: the embedded smollm2-135m)")
+    p.add_argument("--requests", type=int, default=16, help="requests in the stream")
     p.add_argument("--rate", type=float, default=1.0, help="arrivals per second (Poisson)")
     p.add_argument("--context", type=int, default=1024, help="prompt tokens per request")
     p.add_argument("--shared-prefix", action="store_true", help="prompts share all but their last 64 tokens")
     p.add_argument("--prefix-block", type=int, default=0,
                    help="the dual server's shared-prefix search (Scheduler prefix_block; 0: off)")
-    p.add_argument("--min-new", type=int, default=4)
-    p.add_argument("--max-new", type=int, default=64)
-    p.add_argument("--max-batch", type=int, default=8)
-    p.add_argument("--cache-config", type=cache_config, default=cache_config("{}"), help="DualDecoderConfig JSON")
-    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-new", type=int, default=4, help="fewest output tokens a request asks for (max_tokens)")
+    p.add_argument("--max-new", type=int, default=64,
+                   help="most output tokens a request asks for; max_tokens is uniform in [--min-new, --max-new]")
+    p.add_argument("--max-batch", type=int, default=8, help="batch rows decoding at once (every system)")
+    p.add_argument("--cache-config", type=cache_config, default=None,
+                   help="DualDecoderConfig fields as JSON, or a JSON file, for the dual rows (default: "
+                        "DualDecoderConfig's defaults)")
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS, help="systems to run, in order")
+    p.add_argument("--seed", type=int, default=0, help="picks the prompts, arrival times and max_tokens")
     p.add_argument("--out", default=None, help="output path without extension (.json and .md)")
     p.set_defaults(func=cmd_bench_serve)
 
@@ -247,6 +256,7 @@ def cmd_bench_serve(args) -> int:
         problems.append("--prefix-block must be >= 0")
     if problems:
         raise ValueError("; ".join(problems) + ".")
+    args.cache_config = args.cache_config or DualDecoderConfig()
     from ..models import load_model, model_display_name
 
     model, tokenizer = load_model(args.model)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 from ..config import DualDecoderConfig
 from ..help_format import DefaultsHelpFormatter
@@ -12,18 +10,9 @@ from ..models import NAMED_MODELS
 
 
 def cache_config(text: str) -> DualDecoderConfig:
-    """`--cache-config`: a JSON object of `DualDecoderConfig` fields, or the path of a file holding one."""
-    if os.path.isfile(text):
-        with open(text, encoding="utf-8") as handle:
-            text = handle.read()
+    """`--cache-config` (argparse type): `DualDecoderConfig.from_json`, its errors as argparse's."""
     try:
-        options = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"not a JSON object or a file holding one ({error})") from None
-    if not isinstance(options, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object of DualDecoderConfig fields")
-    try:
-        return DualDecoderConfig.from_dict(options)
+        return DualDecoderConfig.from_json(text)
     except (TypeError, ValueError) as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 

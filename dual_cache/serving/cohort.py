@@ -15,7 +15,7 @@ from collections import deque
 from typing import Callable, Sequence
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteria
 
 from .requests import RequestHandle
 

@@ -22,9 +22,13 @@ def add_parser(subparsers) -> None:
     """Add the `eval` command (with `run`, `report`, `export-prompts`, `merge-kvpress`) to `dual-decoder`."""
     from .methods import METHOD_NAMES
 
-    ev = subparsers.add_parser("eval", help="quality evaluation: RULER, LongBench, fidelity to dense")
+    ev = subparsers.add_parser("eval", help="quality evaluation: RULER, LongBench, fidelity to dense",
+                               description="Quality evaluation (docs/benchmarks.md): `run` evaluates methods on "
+                                           "RULER, LongBench and fidelity to dense, `report` renders its rows, "
+                                           "`export-prompts` / `merge-kvpress` hand prompts to kvpress presses and "
+                                           "score what they return.")
     formatter = DefaultsHelpFormatter
-    sub = ev.add_subparsers(dest="eval_command", required=True)
+    sub = ev.add_subparsers(dest="eval_command", required=True, metavar="{run,report,export-prompts,merge-kvpress}")
 
     def suite_options(p):
         p.add_argument("--model", default=None, help="named model (gemma3-270m, smollm2-135m), Hub id, folder or .gguf "
@@ -58,6 +62,9 @@ def add_parser(subparsers) -> None:
         p.add_argument("--seed", type=int, default=0, help="picks the generated prompts (RULER, fidelity)")
 
     run = sub.add_parser("run", help="evaluate every method on the same prompts; appends rows to --out (resumable)",
+                         description="Evaluate every method on the same prompts, back to back per prompt; one JSONL "
+                                     "row per (method, sample) appended to --out as it is produced, so a stopped run "
+                                     "resumes where it was (row schema: eval/quality/harness.py).",
                          formatter_class=formatter)
     suite_options(run)
     run.add_argument("--methods", nargs="+", default=["standard"],
@@ -72,19 +79,25 @@ def add_parser(subparsers) -> None:
     run.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     run.set_defaults(func=cmd_run)
 
-    report = sub.add_parser("report", help="summary.md and plots from a results JSONL", formatter_class=formatter)
+    report = sub.add_parser("report", help="summary.md and plots from a results JSONL", formatter_class=formatter,
+                            description="Write summary.md (scores per method, task and length, device bytes) and "
+                                        "matplotlib plots from the rows `eval run` wrote.")
     report.add_argument("--results", default="eval-results/results.jsonl", help="rows written by `eval run`")
     report.add_argument("--out-dir", default="eval-results", help="where summary.md and the plots go")
     report.set_defaults(func=cmd_report)
 
     export = sub.add_parser("export-prompts", help="write the suites' prompts for eval/card/kvpress_runner.py",
-                            formatter_class=formatter)
+                            description="Write the prompts `eval run` would use (same suites and options) to a "
+                                        "JSONL that eval/card/kvpress_runner.py runs kvpress presses on, in its own "
+                                        "virtual environment.", formatter_class=formatter)
     suite_options(export)
-    export.add_argument("--prompts-out", required=True)
+    export.add_argument("--prompts-out", required=True, help="JSONL file the prompts are written to")
     export.set_defaults(func=cmd_export)
 
     merge = sub.add_parser("merge-kvpress", help="score kvpress_runner.py predictions and append them to --out",
-                           formatter_class=formatter)
+                           description="Score the predictions eval/card/kvpress_runner.py wrote for an "
+                                       "export-prompts file with the harness's metrics, and append them to --out as "
+                                       "`kvpress-<press>` rows beside the other methods.", formatter_class=formatter)
     merge.add_argument("--prompts", required=True, help="the export-prompts file given to the runner")
     merge.add_argument("--kvpress", required=True, help="the runner's predictions JSONL")
     merge.add_argument("--out", default="eval-results/results.jsonl", help="JSONL the scored rows are appended to")

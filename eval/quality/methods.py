@@ -33,7 +33,7 @@ CACHE_CONFIGS: dict[str, dict[str, Any] | None] = {
     "dual-none": {"speculator": "none"},  # the previous real token's selection: what speculation buys
     "dual-no-repair": {"miss_repair": False},  # speculated-token selection only (the paper's method)
     "dual-no-drift": {"repair_drift": None},
-    "dual-forced-miss": {"speculator": "self", "miss_repair": True},  # with eval.forced_miss (benchmark only)
+    "dual-forced-miss": {"speculator": "self", "miss_repair": True},  # with eval/throughput/forced_miss.py (benchmark only)
     "dual-exact": {"selector": "exact"},
     "dual-lowbit": {"selector": "lowbit"},  # the 2-bit key index + exact rescoring (native engine)
     "oracle": {"selector": "oracle"},  # the real token's own top-k: upper bound

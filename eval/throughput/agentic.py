@@ -26,6 +26,7 @@ import time
 import torch
 
 from ...cache import DualDecoderCache
+from ...help_format import DefaultsHelpFormatter
 from ..quality.needle import NEEDLE_WORDS, reference_document
 from ..quality.needle_sweep import load_tool_model, threads_arg
 from ..outputs import write_rows_and_table
@@ -170,12 +171,17 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="dual-decoder agentic", formatter_class=DefaultsHelpFormatter,
+        description="Agentic use of one dual cache (default: the embedded model): questions over one shared "
+                    "document, asked as one batch that continues the stored document vs one re-prefilled request "
+                    "each; and a three-turn conversation on one cache vs re-prefilling it every turn. Reports "
+                    "seconds, host bytes, prefilled tokens and the answers.")
     parser.add_argument("--tokens", type=int, default=8192, help="document length (tokens)")
-    parser.add_argument("--questions", type=int, default=8, help="questions over the document (<= 16)")
+    parser.add_argument("--questions", type=int, default=8, help=f"questions over the document (1..{len(NEEDLE_WORDS)})")
     parser.add_argument("--budget", type=int, default=256, help="tokens per KV head")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", default=None, help="named model, folder or .gguf (default: embedded)")
+    parser.add_argument("--seed", type=int, default=0, help="picks the document, the needles and their numbers")
+    parser.add_argument("--model", default=None, help="named model, folder or .gguf (default: the embedded smollm2-135m)")
     parser.add_argument("--threads", type=threads_arg, default=None, help="torch intra-op threads")
     parser.add_argument("--out", default=None, help="output path without extension (writes .json and .md)")
     args = parser.parse_args(argv)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ...help_format import DefaultsHelpFormatter
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `bench` subcommand to `dual-decoder`'s subparsers; returns it."""
@@ -15,7 +17,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "context x budget, and each method's throughput at its max batch under a device-memory cap and "
                     "the host memory available. Per-cell fields and the capacity search: docs at the top of "
                     "eval/throughput/bench.py.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     bench.add_arguments(parser)
     parser.set_defaults(func=bench.run_from_args)

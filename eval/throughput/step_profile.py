@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from ...help_format import DefaultsHelpFormatter
+
 
 class _StepTimes:
     """A streamer recording when each generated token arrives."""
@@ -93,8 +95,9 @@ def table(row: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m dual_cache.eval.throughput.step_profile",
+                                     description=__doc__.split("\n\n")[0],
+                                     formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--tokens", type=int, default=4096, help="prompt tokens")
     parser.add_argument("--new", type=int, default=32, help="new tokens (timed steps: new - 3)")
     parser.add_argument("--seed", type=int, default=0)
