@@ -211,3 +211,23 @@ def test_other_cache_implementations_untouched():
     from transformers.generation import configuration_utils
 
     assert configuration_utils.ALL_CACHE_IMPLEMENTATIONS.count("dual") == 1
+
+
+@pytest.mark.parametrize("selector", ["exact", "lowbit"])
+def test_host_store_is_sized_to_the_request(selector):
+    """A 6,000-token prompt with 32 new tokens: the host store holds about what a dense cache would (the first chunk
+    is prompt + max_new_tokens when generate() knows it), not a geometric over-allocation; the 2-bit index adds its
+    own share on top for `lowbit`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192)
+    model = LlamaForCausalLM(config).eval()
+    with DualDecoderCache(model.config, budget=64, selector=selector) as cache:
+        model.generate(_prompt(5, 6000), max_new_tokens=32, do_sample=False, cache=cache)
+        stats = cache.stats()
+        store = sum(layer.host.nbytes for layer in cache.dual_layers)
+    assert store <= 1.05 * stats["dense_equivalent_bytes"]
+    if selector == "exact":
+        assert stats["host_bytes"] <= 1.05 * stats["dense_equivalent_bytes"]
