@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         given = argparse.SUPPRESS
         p.add_argument("--cache-config", type=cache_config, default=None,
                        help="DualDecoderConfig fields as JSON, or a JSON file, e.g. '{\"budget\": 512, "
-                            "\"early_layers\": 2}' (docs/usage.md lists them); the flags below override it "
+                            "\"early_layers\": 0}' (docs/usage.md lists them); the flags below override it "
                             "(default: DualDecoderConfig's defaults)")
         p.add_argument("--budget", type=int, default=given,
                        help=f"tokens retrieved per KV head per layer (0: sink and window only) (default: {base.budget})")
