@@ -15,9 +15,8 @@ import torch
 
 from .config import SELECTORS, DualDecoderConfig
 from .help_format import DefaultsHelpFormatter
-from .host_memory import format_bytes
+from .host_memory import HostMemoryError, format_bytes
 from .models import NAMED_MODELS, ModelNotInstalledError
-from .serving.cli import cache_config
 from .timing import TimingStreamer
 
 
@@ -109,21 +108,30 @@ _FLAGS = {"budget": "--budget", "n_sink": "--n-sink", "window": "--window", "rep
           "lowbit_factor": "--lowbit-factor", "lowbit_channels": "--lowbit-channels"}
 
 
+def _json_fields(text: str) -> dict:
+    """`--cache-config` of generate / demo (argparse type): its fields, validated with the flags in `_dual_config`."""
+    try:
+        return DualDecoderConfig.json_fields(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _dual_config(args) -> DualDecoderConfig:
-    """The run's `DualDecoderConfig`: `--cache-config` (or the defaults) with the flags given on the command line
-    applied; its `ValueError`s name the flags (`--n-sink`), not the fields."""
-    changes = {field: getattr(args, field) for field in _FLAGS if hasattr(args, field)}
-    for field in ("speculator", "selector"):
-        if hasattr(args, field):
-            changes[field] = getattr(args, field)
+    """The run's `DualDecoderConfig`: `--cache-config`'s fields with the flags given on the command line applied,
+    validated together; a `ValueError` names a flag (`--n-sink`) where the value came from one."""
+    changes = {field: getattr(args, field) for field in (*_FLAGS, "speculator", "selector") if hasattr(args, field)}
     if hasattr(args, "no_miss_repair"):
         changes["miss_repair"] = False
+    fields = {"prefill_progress": True, **(args.cache_config or {}), **changes}
     try:
-        return (args.cache_config or DualDecoderConfig()).replace(prefill_progress=True, **changes)
+        return DualDecoderConfig.from_dict(fields)
     except ValueError as error:
         message = str(error)
         for field, flag in _FLAGS.items():
-            message = message.replace(f"`{field}`", flag)
+            if field in changes:
+                message = message.replace(f"`{field}`", flag)
+        if args.cache_config and not any(flag in message for flag in _FLAGS.values()):
+            message = f"--cache-config: {message}"
         raise ValueError(message) from None
 
 
@@ -197,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
         # it, DualDecoderConfig's defaults, named in each help text). Flags not given are absent from `args`.
         base = DualDecoderConfig()
         given = argparse.SUPPRESS
-        p.add_argument("--cache-config", type=cache_config, default=None,
+        p.add_argument("--cache-config", type=_json_fields, default=None,
                        help="DualDecoderConfig fields as JSON, or a JSON file, e.g. '{\"budget\": 512, "
                             "\"early_layers\": 0}' (docs/usage.md lists them); the flags below override it "
                             "(default: DualDecoderConfig's defaults)")
@@ -296,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.func is cmd_demo and args.tokens < 128:
                 raise ValueError(f"--tokens must be >= 128, got {args.tokens}.")
         return args.func(args)
-    except (ValueError, OSError, ModelNotInstalledError) as error:  # bad input, unreadable files, missing models
+    except (ValueError, OSError, ModelNotInstalledError, HostMemoryError) as error:
+        # bad input, unreadable files, missing models, a request past the host memory limit
         message = str(error).strip().splitlines()
         print(f"error: {message[0] if message else type(error).__name__}", file=sys.stderr)
         return 2

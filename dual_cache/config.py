@@ -139,33 +139,52 @@ class DualDecoderConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            close = {name: difflib.get_close_matches(name, known, n=1) for name in unknown}
-            hints = "; ".join(f"{name!r}: did you mean {match[0]!r}?" for name, match in close.items() if match)
+            hints = []
+            for name in unknown:
+                if name.startswith("no_") and name[3:] in known:  # `no_miss_repair`: the CLI flag's spelling
+                    hints.append(f"{name!r}: set {name[3:]!r} to false")
+                elif match := difflib.get_close_matches(name, known, n=1):
+                    hints.append(f"{name!r}: did you mean {match[0]!r}?")
+            hints = "; ".join(hints)
             raise ValueError(
                 f"Unknown dual cache option(s) {unknown}{' (' + hints + ')' if hints else ''}. "
                 f"Valid options: {sorted(known)}."
             )
         return cls(**values)
 
-    @classmethod
-    def from_json(cls, text: str) -> "DualDecoderConfig":
-        """Build from a JSON object of fields (`'{"budget": 512}'`) or the path of a file holding one (the CLI's
-        `--cache-config`). Raises `ValueError` for a missing or unreadable file, text that is not a JSON object, or
-        bad fields (`from_dict`)."""
-        stripped = text.strip()
-        if not stripped.startswith("{"):  # a path
+    @staticmethod
+    def json_fields(text: str) -> dict[str, Any]:
+        """The fields of a JSON object given inline (`'{"budget": 512}'`) or in a file (its path; UTF-8, a BOM
+        allowed), not yet validated. Raises `ValueError` for a missing, unreadable or empty file, text that is not
+        JSON, or JSON that is not an object (the CLI's `--cache-config`)."""
+        source = "the text"
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as inline_error:
+            if text.lstrip().startswith(("{", "[")):
+                raise ValueError(f"not a JSON object ({inline_error})") from None
+            source = f"file {text}"
             try:
-                with open(stripped, encoding="utf-8") as handle:
-                    stripped = handle.read()
+                with open(text, encoding="utf-8-sig") as handle:
+                    content = handle.read()
             except (OSError, UnicodeDecodeError) as error:
                 raise ValueError(f"neither a JSON object nor a readable file: {error}") from None
-        try:
-            values = json.loads(stripped)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"not a JSON object ({error})") from None
+            if not content.strip():
+                raise ValueError(f"{source} is empty; it should hold a JSON object of DualDecoderConfig fields")
+            try:
+                values = json.loads(content)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{source} is not a JSON object ({error})") from None
         if not isinstance(values, dict):
-            raise ValueError(f"must be a JSON object of DualDecoderConfig fields, got {type(values).__name__}")
-        return cls.from_dict(values)
+            raise ValueError(f"{source} must be a JSON object of DualDecoderConfig fields, got "
+                             f"{type(values).__name__} {values!r}")
+        return values
+
+    @classmethod
+    def from_json(cls, text: str) -> "DualDecoderConfig":
+        """Build from a JSON object of fields, inline or in a file (`json_fields`, then `from_dict`); raises
+        `ValueError` for either's errors."""
+        return cls.from_dict(cls.json_fields(text))
 
     def replace(self, **changes: Any) -> "DualDecoderConfig":
         """A validated copy with `changes` applied."""

@@ -108,7 +108,48 @@ def test_cache_config_fields_are_kept_and_the_flags_given_override_them(tmp_path
     ('{"budgte": 256}', "did you mean 'budget'"),
 ])
 def test_a_bad_cache_config_is_one_line_saying_what_to_change(text, message, capsys):
-    with pytest.raises(SystemExit):
-        cli.main(["generate", "--prompt-file", "README.md", "--question", "q", "--cache-config", text])
+    try:  # the text is checked when parsed (argparse exits), its fields with the flags before any work
+        status = cli.main(["generate", "--prompt-file", "README.md", "--question", "q", "--cache-config", text])
+    except SystemExit as exit_info:
+        status = exit_info.code
+    assert status == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err and "--cache-config" in err
+
+
+def test_cache_config_and_flags_are_validated_together_and_errors_name_what_the_user_wrote():
+    parse = cli.build_parser().parse_args
+    base = ["generate", "--prompt-file", "x", "--question", "q", "--cache-config"]
+    # a value the flag replaces is never checked on its own
+    config = cli._dual_config(parse([*base, '{"budget": -1, "prefill_progress": false}', "--budget", "64"]))
+    assert (config.budget, config.prefill_progress) == (64, False)
+    with pytest.raises(ValueError) as error:  # from the JSON: the field's name, not a flag never given
+        cli._dual_config(parse([*base, '{"lowbit_channels": 5}']))
+    assert "`lowbit_channels`" in str(error.value) and "--lowbit-channels" not in str(error.value)
+
+
+def test_cache_config_files_and_inline_json_that_is_not_an_object(tmp_path, capsys):
+    from dual_cache import DualDecoderConfig
+
+    bom = tmp_path / "bom.json"
+    bom.write_bytes(b'\xef\xbb\xbf{"budget": 128}')
+    assert DualDecoderConfig.from_json(str(bom)).budget == 128
+    empty = tmp_path / "empty.json"
+    empty.write_text(" \n")
+    for text, message in [("[1, 2]", "must be a JSON object"), ("42", "got int"), (str(empty), "is empty"),
+                          ('{"no_miss_repair": true}', "set 'miss_repair' to false")]:
+        with pytest.raises(ValueError, match=message):
+            DualDecoderConfig.from_json(text)
+
+
+def test_a_request_past_the_host_memory_limit_is_one_line(monkeypatch, capsys):
+    from dual_cache.host_memory import HostMemoryError
+
+    def refuse(*args, **kwargs):
+        raise HostMemoryError("the request needs 9 GiB of host memory, 1 B allowed (max_host_bytes); raise it")
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(cli, "run_question", refuse)
+    assert cli.main(["generate", "--prompt-file", "README.md", "--question", "q"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: the request needs 9 GiB")

@@ -216,7 +216,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="embedded (CPU default), llama8b (random-weight Llama-3.1-8B shape, bf16; CUDA default), "
                              "tiny (random 3-layer model), or a path / Hub id")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="where the model runs (auto: CUDA when available)")
     parser.add_argument("--methods", nargs="+", default=["all"],
                         help=f"from {', '.join(ALL_METHODS)}, run in this order; aliases: dual (every speculator), "
                              "all (default: every method but dual-no-repair and dual-forced-miss)")
