@@ -95,7 +95,11 @@ class DualDecoderCache(Cache):
 
     def _build_layers(self, tokens: int | None) -> list[CacheLayerMixin]:
         """Sets `layer_types` for requests of `tokens` tokens and returns one fresh layer per model layer."""
-        self.layer_types = resolve_layer_types(self.text_config, tokens)
+        return self.layers_of_types(resolve_layer_types(self.text_config, tokens))
+
+    def layers_of_types(self, layer_types: list[str]) -> list[CacheLayerMixin]:
+        """Sets `layer_types` and returns one fresh, empty layer per model layer of those types."""
+        self.layer_types = list(layer_types)
         layers: list[CacheLayerMixin] = []
         for layer_idx, layer_type in enumerate(self.layer_types):
             if layer_type == SLIDING_ATTENTION:
@@ -465,6 +469,16 @@ class DualDecoderCache(Cache):
             json.dump({"stats": self.stats(), "timeline": self.timeline()}, handle, indent=1)
 
     # --- lifecycle -------------------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` was called (the host stores are freed; the cache cannot take requests)."""
+        return self._final_stats is not None
+
+    @property
+    def request_running(self) -> bool:
+        """Whether a request is running on the cache (between `begin_request` and `end_request`)."""
+        return self.schedule is not None
+
     def close(self) -> None:
         """End any running request and free the host stores and indexes (pinned or registered memory included).
         Idempotent; `stats()`, `timeline()` and `get_seq_length()` stay readable."""

@@ -27,7 +27,6 @@ logger = logging.get_logger(__name__)
 
 CACHE_KWARGS = ("cache", "past_key_values")  # transformers ≥5.24 / 5.22–5.23
 CLOSE_AFTER = "dual_close_after"  # model_kwargs flag: the cache was made for this call alone (`integration.py`)
-PREFILL_HOOK = "prefill_chunk_done"  # optional streamer method, called after each prefill chunk
 
 
 def cache_kwarg_name(model: torch.nn.Module) -> str:
@@ -61,9 +60,7 @@ def dual_sample(
             are given, as transformers does).
         model_kwargs: must hold the `DualDecoderCache` (under `cache` or `past_key_values`) and may hold the
             `(B, P)` `attention_mask` and `(B, P, hidden)` `inputs_embeds` (then the prompt: prefill from them).
-        streamer: transformers' streamer contract (`put` per token, `end`); a streamer that also has a
-            `prefill_chunk_done()` method is called after each prefill chunk (the serving scheduler passes the turn
-            to other requests there).
+        streamer: transformers' streamer contract (`put` per token, `end`).
 
     Raises:
         ValueError: before any work, for a model the dual cache cannot serve (`compat.check_model_serves_dual`).
@@ -129,8 +126,6 @@ def dual_sample(
                     positions[:, start:end], 1,
                 )
                 cache.crop(0)  # sliding-window layers drop what falls out of their window
-                if hasattr(streamer, PREFILL_HOOK):  # a scheduler interleaving requests (`serving/cohort.py`)
-                    getattr(streamer, PREFILL_HOOK)()
             if cache.dual_layers:
                 cache.end_prefill()
             step_logits = outputs.logits[:, -1].to(dtype=torch.float32, device=device)

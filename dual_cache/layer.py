@@ -96,7 +96,10 @@ class DualLayer(CacheLayerMixin):
         self.ring_size = config.window + 2
         self.reserve_tokens = 0  # tokens the host store holds at once when the request starts
         self.decoding = False
-        self.prompt_query: torch.Tensor | None = None  # (B, H_q, D) host: the prompt's last query
+        # (B, H_q, D) float32 host: the query that selects the first decode step's entries of the next request: the
+        # prompt's last query after a prefill, the last speculated token's query when a request ends mid-decode (kept
+        # between requests so `regroup` can carry sequences into another cache without changing their selections)
+        self.next_query: torch.Tensor | None = None
         self.selecting_query: torch.Tensor | None = None  # (B, H_q, D): the query that chose the next step's entries
         self.scaling: float = 1.0
         self.sink_keys = self.sink_values = self.sink_pos = self.sink_valid = None
@@ -198,13 +201,15 @@ class DualLayer(CacheLayerMixin):
             self.selector.share()
 
     def end_request(self) -> None:
-        """The request ended: release the device tiers and the request's schedule; the host store and the
-        selector's index stay for a request that continues these sequences."""
+        """The request ended: release the device tiers and the request's schedule; the host store, the selector's
+        index and `next_query` stay for a request that continues these sequences."""
+        if self.decoding and self.selecting_query is not None:
+            self.next_query = self.selecting_query.detach().to("cpu", torch.float32)
         self.schedule = None
         self.decoding = False
         self.sink_keys = self.sink_values = self.sink_pos = self.sink_valid = None
         self.ring_keys = self.ring_values = None
-        self.prompt_query = self.selecting_query = None
+        self.selecting_query = None
 
     # --- prefill ---------------------------------------------------------------------------------------
     def prefill_kv(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,7 +231,7 @@ class DualLayer(CacheLayerMixin):
     def end_prefill_chunk(self, query: torch.Tensor, scaling: float) -> None:
         """A prefill chunk was stored: keep its last position's query `(B, H_q, D)` (it selects the first decode
         step) and extend the selector's host index over the prompt so far."""
-        self.prompt_query = query.detach().to("cpu", torch.float32)
+        self.next_query = query.detach().to("cpu", torch.float32)
         self.scaling = scaling
         if self.selector is not None:
             batch, length, start = self.host.shape_prefix[0], self.host.length, self.host.shared_length
@@ -255,8 +260,7 @@ class DualLayer(CacheLayerMixin):
         self.ring_values.index_copy_(2, slots, values.to(self.device))
         self.decoding = True
         if self.selector is not None and self.selector.prefetched:
-            self.submit_selection(self.prompt_query, committed=n)
-        self.prompt_query = None
+            self.submit_selection(self.next_query, committed=n)
 
     def _selection_job(self, query: torch.Tensor, committed: int, rows: list[int] | None = None,
                        exact: frozenset[int] = frozenset()):
@@ -392,6 +396,7 @@ class DualLayer(CacheLayerMixin):
     def free(self) -> None:
         """Release host chunks, the selector's state and device tiers (the token count stays readable)."""
         self.end_request()
+        self.next_query = None
         if self.host is not None:
             self.host.free()
         if self.selector is not None:

@@ -87,6 +87,12 @@ def collect(root: str = "results") -> list[dict]:
                 "dual": f"{serving['dual']['output_tokens_per_s']:.1f}; "
                         f"{_mib(serving['dual']['peak_device_kv_bytes'] / MIB)}",
                 "source": "results/serving/smollm2-1k-poisson.json"})
+    serving = {r["system"]: r for r in _json(p("serving", "smollm2-256-long-outputs.json"))["rows"]}
+    out.append({"measure": "serving, 32 Poisson requests of 256 tokens, 4-256 new: output tokens/s",
+                "machine": "CPU", "baseline": f"static generate() {serving['static']['output_tokens_per_s']:.1f}; "
+                                               f"dense rows {serving['dense']['output_tokens_per_s']:.1f}",
+                "dual": f"{serving['dual']['output_tokens_per_s']:.1f}",
+                "source": "results/serving/smollm2-256-long-outputs.json"})
     return out
 
 

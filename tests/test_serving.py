@@ -3,6 +3,7 @@ idle in host memory and resume with only their new tokens, eviction, clean stops
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -11,8 +12,9 @@ import torch
 
 from conftest import tiny_gemma3, tiny_llama
 from dual_cache import DualDecoderCache
+from dual_cache.host_store import live_host_bytes
 from dual_cache.serving import GenerationOptions, Scheduler
-from dual_cache.serving.prefix import block_hashes, shared_prefix_length
+from dual_cache.serving.prefix import block_hashes
 
 FULL = {"budget": 100_000, "retrieval_threads": 0}
 PARTIAL = {"budget": 16, "n_sink": 4, "window": 8, "early_layers": 0, "retrieval_threads": 0}
@@ -43,7 +45,7 @@ def test_requests_arriving_at_different_times_equal_each_run_alone(config):
         assert all(h.wait(300) for h in handles)
     finally:
         scheduler.stop()
-    assert scheduler.counters["cohorts"] < len(handles)  # some requests shared a batch
+    assert scheduler.counters["decode_steps"] < sum(new) - len(new)  # rows shared decode steps
     for prompt, n, handle in zip(prompts, new, handles):
         assert handle.finish_reason == "length" and handle.error is None
         if config is FULL:
@@ -54,6 +56,32 @@ def test_requests_arriving_at_different_times_equal_each_run_alone(config):
         assert handle.token_ids == expected[0, prompt.numel():].tolist()
         assert handle.first_token is not None and handle.arrived <= handle.first_token <= handle.finished
     assert _threads() == before
+
+
+def test_each_request_samples_with_its_own_options_whatever_it_is_batched_with():
+    model = tiny_llama(seed=50)
+    prompts = _prompts(51, [30, 45, 60])
+    sampled = GenerationOptions(max_tokens=10, temperature=0.8, top_p=0.9, seed=7)
+    alone = Scheduler(model, cache_config=PARTIAL, max_batch=1)
+    try:
+        solo = alone.add_request(prompts[0], sampled)
+        assert solo.wait(120)
+    finally:
+        alone.stop()
+    mixed = Scheduler(model, cache_config=PARTIAL, max_batch=3)
+    try:
+        with mixed._cond:  # queued together: they decode as one batch
+            handles = [mixed.add_request(prompts[0], sampled),
+                       mixed.add_request(prompts[1], GenerationOptions(max_tokens=10, temperature=0)),
+                       mixed.add_request(prompts[2], GenerationOptions(max_tokens=10, temperature=1.5, seed=3))]
+        assert all(h.wait(120) for h in handles)
+    finally:
+        mixed.stop()
+    assert handles[0].token_ids == solo.token_ids and len(solo.token_ids) == 10
+    expected = model.generate(prompts[1][None], max_new_tokens=10, do_sample=False, cache_implementation="dual",
+                              cache_config=PARTIAL)
+    assert handles[1].token_ids == expected[0, prompts[1].numel():].tolist()
+    assert mixed.counters["decode_steps"] < 20  # the three shared decode steps
 
 
 def test_tokens_stream_and_cancel_queued_and_running():
@@ -94,6 +122,8 @@ def test_stop_cancels_everything_and_leaves_no_threads():
 
 def test_idle_sessions_hold_no_device_bytes_and_resume_with_only_new_tokens():
     model = tiny_llama(seed=7)
+    gc.collect()
+    live_before, threads_before = live_host_bytes(), _threads()
     scheduler = Scheduler(model, cache_config=FULL, max_batch=4)
     try:
         firsts = [scheduler.add_request(p, GenerationOptions(max_tokens=6, temperature=0), session=f"s{i}")
@@ -120,6 +150,8 @@ def test_idle_sessions_hold_no_device_bytes_and_resume_with_only_new_tokens():
     finally:
         scheduler.stop()
     assert scheduler.sessions.totals()["host_bytes"] == 0 and len(scheduler.sessions) == 0
+    gc.collect()
+    assert live_host_bytes() == live_before and _threads() == threads_before  # nothing leaked
 
 
 def test_sessions_past_the_host_budget_are_evicted_least_recently_used():
@@ -181,19 +213,14 @@ def test_bad_requests_are_refused_before_any_work():
         dense.stop()
 
 
-def test_block_hashes_find_the_whole_blocks_every_prompt_starts_with():
+def test_block_hashes_chain_whole_blocks():
     gen = torch.Generator().manual_seed(31)
     document = torch.randint(1, 96, (100,), generator=gen)
-    prompts = [torch.cat([document, torch.randint(1, 96, (n,), generator=gen)]) for n in (5, 17, 1)]
-    assert shared_prefix_length(prompts, 32) == 96  # 3 whole blocks of the 100 shared tokens
-    assert shared_prefix_length(prompts, 7) == 98
-    assert shared_prefix_length(prompts[:1], 32) == 0  # one prompt shares nothing
-    assert shared_prefix_length([document[:64], document[:64]], 32) == 32  # each keeps a token of its own
-    other = document.clone()
-    other[40] = 0 if int(other[40]) else 1
-    assert shared_prefix_length([document, other], 32) == 32  # the blocks after a difference never match
     hashes = block_hashes(document, 32)
     assert len(hashes) == 3 and hashes[:1] == block_hashes(document[:50], 32)
+    other = document.clone()
+    other[40] = 0 if int(other[40]) else 1
+    assert block_hashes(other, 32)[0] == hashes[0] and block_hashes(other, 32)[1:] != hashes[1:]
     with pytest.raises(ValueError, match="block >= 1"):
         block_hashes(document, 0)
     with pytest.raises(ValueError, match="prefix_block"):
@@ -202,7 +229,10 @@ def test_block_hashes_find_the_whole_blocks_every_prompt_starts_with():
 
 @pytest.mark.parametrize("config", [FULL, {**PARTIAL, "selector": "lowbit", "lowbit_factor": 2}],
                          ids=["full-budget", "partial-budget-lowbit"])
-def test_a_cohort_sharing_a_document_stores_it_once_and_at_full_budget_each_request_equals_dense(config):
+def test_requests_starting_with_a_cached_prefix_copy_it_and_equal_each_request_alone(config):
+    """The first request is prefilled to its last whole block, which the prefix cache keeps; later requests with
+    the same document copy it and prefill only their own tokens; each equals its solo run (at a partial budget too:
+    a copied prefix is the same sequence as a prefilled one)."""
     model = tiny_llama(seed=32)
     gen = torch.Generator().manual_seed(33)
     document = torch.randint(1, 96, (150,), generator=gen)
@@ -210,38 +240,45 @@ def test_a_cohort_sharing_a_document_stores_it_once_and_at_full_budget_each_requ
     new = [12, 5, 9]
     scheduler = Scheduler(model, cache_config=config, max_batch=4, prefix_block=32)
     try:
-        with scheduler._cond:  # queued together: one cohort (the dispatcher waits on this lock)
-            handles = [scheduler.add_request(p, GenerationOptions(max_tokens=n, temperature=0))
-                       for p, n in zip(prompts, new)]
-        assert all(h.wait(300) for h in handles)
+        first = scheduler.add_request(prompts[0], GenerationOptions(max_tokens=new[0], temperature=0))
+        assert first.wait(300)
+        handles = [first] + [scheduler.add_request(p, GenerationOptions(max_tokens=n, temperature=0))
+                             for p, n in zip(prompts[1:], new[1:])]
+        assert all(h.wait(300) for h in handles) and scheduler.wait_idle(60)
+        assert scheduler.metrics()["cached_prefixes"] == 1
     finally:
         scheduler.stop()
-    assert scheduler.counters["cohorts"] == 1 and scheduler.counters["shared_prefix_tokens"] == 128
-    assert scheduler.counters["prefilled_tokens"] == 128 + sum(p.numel() - 128 for p in prompts)
+    assert first.prefilled_tokens == prompts[0].numel()
+    assert [h.prefilled_tokens for h in handles[1:]] == [p.numel() - 128 for p in prompts[1:]]
+    assert scheduler.counters["prefix_hit_tokens"] == 2 * 128
     for prompt, n, handle in zip(prompts, new, handles):
-        assert handle.prefilled_tokens == prompt.numel() - 128 and handle.finish_reason == "length"
-        if config is FULL:  # at a partial budget the pads after the prefix sit in the local window (docs/serving.md)
+        assert handle.finish_reason == "length"
+        if config is FULL:
             expected = model.generate(prompt[None], max_new_tokens=n, do_sample=False)
-            assert handle.token_ids == expected[0, prompt.numel():].tolist()
+        else:
+            expected = model.generate(prompt[None], max_new_tokens=n, do_sample=False, cache_implementation="dual",
+                                      cache_config=config)
+        assert handle.token_ids == expected[0, prompt.numel():].tolist()
 
 
-def test_a_shared_prefix_with_sliding_window_layers_equals_each_request_alone():
-    """Gemma (window 24): requests whose own parts have equal lengths share the prefix, and the prefix alone fitting
-    in the window does not turn the sliding layers into full attention; unequal own parts (pads after the prefix
-    would sit in a row's window) are not shared."""
+def test_a_cached_prefix_with_sliding_window_layers_equals_each_request_alone():
+    """Gemma (window 24), requests one after another: the first caches its whole blocks (48 tokens: the document
+    and 8 of its own), the second shares 2 blocks with that entry and caches those, the third copies them. A prefix
+    copied between requests keeps the sliding layers' windows."""
     model = tiny_gemma3(seed=34)
     gen = torch.Generator().manual_seed(35)
-    document = torch.randint(1, 96, (20,), generator=gen)
-    for own, shared in (((12, 12), 16), ((9, 30), 0)):
-        prompts = [torch.cat([document, torch.randint(1, 96, (n,), generator=gen)]) for n in own]
-        scheduler = Scheduler(model, cache_config=FULL, max_batch=2, prefix_block=16)
-        try:
-            with scheduler._cond:
-                handles = [scheduler.add_request(p, GenerationOptions(max_tokens=8, temperature=0)) for p in prompts]
-            assert all(h.wait(300) for h in handles)
-        finally:
-            scheduler.stop()
-        assert scheduler.counters["shared_prefix_tokens"] == shared
-        for prompt, handle in zip(prompts, handles):
-            expected = model.generate(prompt[None], max_new_tokens=8, do_sample=False)
-            assert handle.token_ids == expected[0, prompt.numel():].tolist()
+    document = torch.randint(1, 96, (40,), generator=gen)
+    prompts = [torch.cat([document, torch.randint(1, 96, (n,), generator=gen)]) for n in (12, 9, 30)]
+    scheduler = Scheduler(model, cache_config=FULL, max_batch=2, prefix_block=16)
+    try:
+        handles = []
+        for prompt in prompts:
+            handles.append(scheduler.add_request(prompt, GenerationOptions(max_tokens=8, temperature=0)))
+            assert handles[-1].wait(300)
+    finally:
+        scheduler.stop()
+    assert scheduler.counters["prefix_hit_tokens"] == 32
+    assert [h.prefilled_tokens for h in handles] == [prompts[0].numel(), prompts[1].numel(), prompts[2].numel() - 32]
+    for prompt, handle in zip(prompts, handles):
+        expected = model.generate(prompt[None], max_new_tokens=8, do_sample=False)
+        assert handle.token_ids == expected[0, prompt.numel():].tolist()

@@ -124,6 +124,17 @@ class Selector:
                 before it are never indexed).
         """
 
+    def adopt(self, sources: list[tuple["Selector", int]], length: int, first_real: torch.Tensor) -> None:
+        """Index the sequences `regroup` just copied into this selector's (empty-index) store: sequence `i` is
+        sequence `row` of `sources[i]`'s store, right-aligned so that its first real position is `first_real[i]`
+        (`(B,)` int64 host). The default indexes them anew (`extend`); a selector may copy what it can instead,
+        which must give the same index.
+
+        Args:
+            sources: `(selector, row)` per sequence of this store. length: the store's positions (tokens).
+        """
+        self.extend(length, first_real)
+
     def truncate(self, length: int) -> None:
         """Forget what was indexed at positions `>= length` (the store was cropped to `length` tokens)."""
 

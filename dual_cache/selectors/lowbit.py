@@ -118,6 +118,20 @@ class LowBitSelector(Selector):
             self.params[row, :, have:want] = params.view(kv_heads, want - have, 2, -1)
             self.n_groups[row] = want
 
+    def adopt(self, sources, length: int, first_real: torch.Tensor) -> None:
+        """Copy each sequence's groups from its source index (groups start at a sequence's first real position, so
+        they hold the same keys after a shift), then index the groups completed since."""
+        counts = [source.n_groups[row] if isinstance(source, LowBitSelector) else 0 for source, row in sources]
+        if max(counts, default=0):
+            self._ensure_capacity(max(counts))
+            for i, ((source, row), count) in enumerate(zip(sources, counts)):
+                if count:
+                    at = row if source.packed.shape[0] > 1 else 0
+                    self.packed[i, :, :count] = source.packed[at, :, :count]
+                    self.params[i, :, :count] = source.params[at, :, :count]
+                    self.group_first[i], self.n_groups[i] = int(first_real[i]), count
+        self.extend(length, first_real)
+
     def truncate(self, length: int) -> None:
         for row, first in enumerate(self.group_first):
             if first >= length:

@@ -1,5 +1,6 @@
-"""Serving: a request scheduler over dual caches (`scheduler.py`), idle sessions in host memory (`sessions.py`),
-an OpenAI-compatible HTTP server (`server.py`) and its load benchmark (`bench.py`)."""
+"""Serving: a request scheduler with continuous batching over dual caches (`scheduler.py`, `batch.py`; dense rows
+in `dense_batch.py`), idle sessions in host memory (`sessions.py`), a prefix cache (`prefix.py`), an
+OpenAI-compatible HTTP server (`server.py`) and its load benchmark (`bench.py`)."""
 
 from .requests import FINISH_REASONS, GenerationOptions, RequestHandle
 from .scheduler import Scheduler

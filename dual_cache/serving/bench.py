@@ -44,32 +44,18 @@ def workload(args, vocab: int, special: set[int]) -> list[dict]:
     return requests
 
 
-def _kv_bytes_per_token(model) -> int:
-    text = model.config.get_text_config(decoder=True)
-    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return 2 * text.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=model.dtype).element_size()
-
-
 def run_scheduler(model, requests, args, dense: bool) -> list[dict]:
     from .requests import GenerationOptions
     from .scheduler import Scheduler
 
     scheduler = Scheduler(model, cache_config=args.cache_config, dense=dense, max_batch=args.max_batch,
                           prefix_block=0 if dense else args.prefix_block)
-    per_token = _kv_bytes_per_token(model)
     peak = {"device": 0, "host": 0}
     done = threading.Event()
 
     def sample() -> None:
         while not done.wait(0.05):
-            m = scheduler.metrics()
-            if dense:  # DynamicCache rows hold every token on the device
-                with scheduler._cond:
-                    held = sum(len(c.handles) * (max(h.prompt.numel() for h in c.handles) +
-                                                 max(len(h.token_ids) for h in c.handles))
-                               for c in scheduler._running)
-                m["device_bytes"], m["host_bytes"] = held * per_token, 0
+            m = scheduler.metrics()  # dense rows: the DynamicCache K/V on the device (DenseBatch.memory)
             peak["device"] = max(peak["device"], m["device_bytes"])
             peak["host"] = max(peak["host"], m["host_bytes"])
 
@@ -88,8 +74,9 @@ def run_scheduler(model, requests, args, dense: bool) -> list[dict]:
         done.set()
         sampler.join()
         scheduler.stop()
+    batching = {"decode_steps": scheduler.counters["decode_steps"], "regroups": scheduler.counters["regroups"]}
     return [{"arrived": h.arrived - start, "first": h.first_token - start, "finished": h.finished - start,
-             "tokens": len(h.token_ids), "error": h.error, **({"peak": peak} if i == 0 else {})}
+             "tokens": len(h.token_ids), "error": h.error, **({"peak": peak, **batching} if i == 0 else {})}
             for i, h in enumerate(handles)]
 
 
@@ -183,7 +170,9 @@ def summarize(system: str, rows: list[dict]) -> dict:
             "output_tokens": tokens, "seconds": span, "output_tokens_per_s": tokens / span,
             "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99), "tpot_p50_s": pct(tpot, 0.5),
             "tpot_p99_s": pct(tpot, 0.99), "peak_device_kv_bytes": peak.get("device"),
-            "peak_host_kv_bytes": peak.get("host")}
+            "peak_host_kv_bytes": peak.get("host"),
+            # the scheduler's: decode steps of its running batch (output tokens / steps = rows per step), regroups
+            "decode_steps": rows[0].get("decode_steps"), "regroups": rows[0].get("regroups")}
 
 
 def _options(config) -> dict:
@@ -202,13 +191,15 @@ def table(rows: list[dict], args) -> str:
              f"[{args.min_new}, {args.max_new}], greedy; max batch {args.max_batch}; cache config "
              f"{json.dumps(_options(args.cache_config))}.", "",
              "| system | output tok/s | vs static | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) | peak device KV MiB | "
-             "peak host KV MiB | errors |", "|---|---|---|---|---|---|---|---|"]
+             "peak host KV MiB | rows per decode step | errors |", "|---|---|---|---|---|---|---|---|---|"]
     static = next((r["output_tokens_per_s"] for r in rows if r["system"] == "static"), None)
     for r in rows:
         ratio = f"{r['output_tokens_per_s'] / static:.2f}×" if static else "n/a"
+        per_step = f"{r['output_tokens'] / r['decode_steps']:.1f}" if r.get("decode_steps") else "n/a"
         lines.append(f"| {r['system']} | {r['output_tokens_per_s']:.2f} | {ratio} | {r['ttft_p50_s']:.2f} / "
                      f"{r['ttft_p99_s']:.2f} | {r['tpot_p50_s']:.3f} / {r['tpot_p99_s']:.3f} | "
-                     f"{_mib(r['peak_device_kv_bytes'])} | {_mib(r['peak_host_kv_bytes'])} | {r['errors']} |")
+                     f"{_mib(r['peak_device_kv_bytes'])} | {_mib(r['peak_host_kv_bytes'])} | {per_step} | "
+                     f"{r['errors']} |")
     return "\n".join(lines)
 
 
@@ -229,7 +220,7 @@ def add_parser(sub) -> None:
     p.add_argument("--context", type=int, default=1024, help="prompt tokens per request")
     p.add_argument("--shared-prefix", action="store_true", help="prompts share all but their last 64 tokens")
     p.add_argument("--prefix-block", type=int, default=0,
-                   help="the dual server's shared-prefix search (Scheduler prefix_block; 0: off)")
+                   help="the dual server's prefix cache (Scheduler prefix_block; 0: off)")
     p.add_argument("--min-new", type=int, default=4, help="fewest output tokens a request asks for (max_tokens)")
     p.add_argument("--max-new", type=int, default=64,
                    help="most output tokens a request asks for; max_tokens is uniform in [--min-new, --max-new]")

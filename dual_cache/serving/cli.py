@@ -30,13 +30,13 @@ def add_parser(sub) -> None:
     serve.add_argument("--cache-config", type=cache_config, default=None,
                        help="DualDecoderConfig fields as JSON, or a JSON file, e.g. '{\"budget\": 512}' (default: "
                             "DualDecoderConfig's defaults, docs/usage.md)")
-    serve.add_argument("--max-batch", type=int, default=8, help="batch rows decoding at once")
+    serve.add_argument("--max-batch", type=int, default=8, help="requests prefilling or decoding at once")
     serve.add_argument("--max-host-bytes", type=int, default=None,
-                       help="host bytes for running requests and idle sessions (default: what each cache finds "
-                            "available)")
+                       help="host bytes for running requests, idle sessions and cached prefixes (default: what "
+                            "each cache finds available)")
     serve.add_argument("--prefix-block", type=int, default=0,
-                       help="tokens per block when looking for a prefix every request of a batch shares (stored "
-                            "once); 0: off (docs/serving.md: what it changes at a partial budget)")
+                       help="tokens per block of the prefix cache: a prompt starting with the whole blocks of an "
+                            "earlier one copies that prefix instead of prefilling it; 0: off (docs/serving.md)")
     serve.add_argument("--dense", action="store_true", help="serve with the default DynamicCache instead")
     serve.set_defaults(func=cmd_serve)
 

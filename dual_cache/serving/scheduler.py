@@ -1,4 +1,4 @@
-"""The request scheduler: a FIFO queue, admission by batch rows and host memory, cohorts that take turns.
+"""The request scheduler: a FIFO queue, admission by batch rows and host memory, and continuous batching.
 
     scheduler = Scheduler(model, tokenizer, cache_config={"budget": 256}, max_batch=8)
     handle = scheduler.add_request(tokenizer("Hello", return_tensors="pt").input_ids[0],
@@ -6,14 +6,15 @@
     text = tokenizer.decode(list(handle.tokens()))
     scheduler.stop()
 
-A dispatcher thread admits queued requests whenever rows are free: the oldest admissible request and the queued
-requests that can share its batch (same sampling settings, no session) form a `Cohort`, up to `max_batch` rows in
-all. Cohorts take turns on the model one prefill chunk or decode step at a time (`cohort.py`). A request that names a
-session runs alone on that session's cache, which then idles in host memory until the session's next request
-(`sessions.py`). Tokens stream through each request's `RequestHandle`. With `prefix_block`, when every request of a
-new dual cohort starts with the same whole blocks of `prefix_block` tokens (`prefix.py`: chained block hashes), that
-prefix is prefilled and stored once, and the cohort's batch continues it (`DualDecoderCache` sharing one stored
-sequence).
+One thread (`dual-scheduler`) runs the model. Each turn of its loop it admits queued requests while rows and host
+memory allow, feeds one prefill chunk of the oldest admitted request (on a cache of its own), regroups the running
+batch when rows finished or prefilled requests wait to join (`batch.py`), and runs one decode step of every running
+row. So a new request's prefill interleaves with the decode steps of the running ones, a finished row leaves at
+once, and a prefilled request joins the batch at the next step, whatever its length. Each row samples and stops
+on its own options. A request that names a session continues that session's cache (only its new tokens are
+prefilled); when it ends the session keeps its sequence in host memory (`sessions.py`). With `prefix_block`, prompts
+that start with the same whole blocks of tokens as an earlier one copy its prefilled prefix instead of prefilling
+it again (`prefix.py`).
 """
 
 from __future__ import annotations
@@ -21,21 +22,19 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
-from transformers import StoppingCriteriaList
 
 from ..cache import DualDecoderCache
 from ..config import DualDecoderConfig
-from ..decoding import cache_kwarg_name
 from ..host_memory import format_bytes
-from ..layer_types import SLIDING_ATTENTION, resolve_layer_types
-from ..selectors import SELECTORS
-from .cohort import Cohort, CohortStreamer, PrefixStreamer, RowStops, Turnstile
-from .prefix import shared_prefix_length
+from .batch import DualBatch
+from .dense_batch import DenseBatch
+from .prefix import PrefixCache
 from .requests import GenerationOptions, RequestHandle
-from .sessions import Session, SessionStore
+from .rows import Row
+from .sessions import SessionStore
 
 RATE_WINDOW_S = 10.0  # tokens/s is measured over this many recent seconds
 
@@ -46,15 +45,14 @@ class Scheduler:
     Args:
         model: a transformers causal LM; tokenizer: its tokenizer (stop strings, padding id), or None.
         cache_config: `DualDecoderConfig` or its dict for every request's `DualDecoderCache`; ignored when `dense`.
-        dense: serve with transformers' default `DynamicCache` instead (the benchmark's dense rows; no sessions).
-        max_batch: batch rows decoding at once, all cohorts together.
-        max_host_bytes: host bytes the running requests and idle sessions may hold in all (None: each cache checks
-            the memory available when its request begins). Idle sessions are evicted least recently used past it.
-        prefix_block: tokens per block when looking for a prefix shared by every request of a new cohort (stored
-            once when at least one whole block is shared); 0 (the default) turns the search off. Admission still
-            counts host bytes as if nothing were shared (an upper bound). At full budget each request's tokens
-            equal its solo run; at a partial budget they may not: the padding between the prefix and a shorter
-            request's own tokens counts as positions of its local window (docs/serving.md).
+        dense: serve with transformers' default `DynamicCache` rows instead (the benchmark's dense rows; no
+            sessions, no prefix cache).
+        max_batch: requests admitted at once (decoding or prefilling).
+        max_host_bytes: host bytes the admitted requests, idle sessions and cached prefixes may hold in all (None:
+            each cache checks the memory available when its request begins). Idle sessions and cached prefixes are
+            evicted least recently used past it.
+        prefix_block: tokens per block of the prefix cache: a prompt that starts with whole blocks an earlier prompt
+            started with copies that prefix's stored K/V instead of prefilling it; 0 (the default) turns it off.
 
     Raises:
         ValueError: for a bad option (before any thread starts).
@@ -63,37 +61,44 @@ class Scheduler:
     def __init__(self, model, tokenizer=None, cache_config: DualDecoderConfig | dict | None = None,
                  dense: bool = False, max_batch: int = 8, max_host_bytes: int | None = None,
                  prefix_block: int = 0) -> None:
-        if not isinstance(max_batch, int) or max_batch < 1:
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}.")
         if isinstance(prefix_block, bool) or not isinstance(prefix_block, int) or prefix_block < 0:
-            raise ValueError(f"prefix_block must be an integer >= 0 (0: no shared-prefix search), got "
-                             f"{prefix_block!r}.")
+            raise ValueError(f"prefix_block must be an integer >= 0 (0: no prefix cache), got {prefix_block!r}.")
         if max_host_bytes is not None and max_host_bytes < 1:
             raise ValueError(f"max_host_bytes must be >= 1 or None, got {max_host_bytes!r}.")
         self.model, self.tokenizer, self.dense = model, tokenizer, dense
         self.dual_config = None if dense else (
             cache_config if isinstance(cache_config, DualDecoderConfig)
             else DualDecoderConfig.from_dict(cache_config or {}))
-        self.max_batch, self.max_host_bytes, self.prefix_block = max_batch, max_host_bytes, prefix_block
+        self.max_batch, self.max_host_bytes = max_batch, max_host_bytes
+        self.prefix_block = 0 if dense else prefix_block
         self.max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
         self.sessions = SessionStore(max_host_bytes)
-        self.turnstile = Turnstile()
+        self.prefixes = PrefixCache(self.prefix_block)
         self.pad_id = self._pad_id()
+        self._probe = None if dense else DualDecoderCache(model.config, dual_config=self.dual_config)  # for estimates
         eos = model.generation_config.eos_token_id
-        self.eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        eos_ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+        decode = None if tokenizer is None else (lambda t: tokenizer.decode(t, skip_special_tokens=True))
+        self.batch = DenseBatch(model, self.pad_id, eos_ids, decode) if dense else \
+            DualBatch(model, self.dual_config, self.pad_id, eos_ids, decode)
         self._cond = threading.Condition()
         self._queue: deque[RequestHandle] = deque()
-        self._running: dict[Cohort, int] = {}  # cohort -> its host-byte estimate
-        self._caches: dict[Cohort, DualDecoderCache] = {}
+        self._prefilling: list[Row] = []  # admitted, prefilling in order (the first one feeds a chunk per turn)
+        self._ready: list[Row] = []  # prefilled, waiting to join the batch
+        self._estimates: dict[Row, int] = {}  # host bytes planned for each admitted row
         self._stopping = False
+        self._settled = True  # the loop is between turns (the gauges describe what it holds)
+        self._gauges = {"device_bytes": 0, "host_bytes": 0, "cached_prefixes": 0, "spec_hits": 0, "spec_steps": 0}
         self._recent: deque[tuple[float, int]] = deque()
-        self.counters = {"requests": 0, "finished": 0, "output_tokens": 0, "prefilled_tokens": 0, "spec_hits": 0,
-                         "spec_steps": 0, "cohorts": 0, "session_resumes": 0, "cancelled": 0,
-                         "shared_prefix_tokens": 0}
+        self.counters = {"requests": 0, "finished": 0, "output_tokens": 0, "prefilled_tokens": 0,
+                         "decode_steps": 0, "regroups": 0, "session_resumes": 0, "cancelled": 0,
+                         "prefix_hit_tokens": 0}
         self.started = time.perf_counter()
         self.started_at = int(time.time())  # wall clock, for OpenAI's `created`
-        self._dispatcher = threading.Thread(target=self._dispatch, name="dual-scheduler", daemon=True)
-        self._dispatcher.start()
+        self._loop = threading.Thread(target=self._run, name="dual-scheduler", daemon=True)
+        self._loop.start()
 
     def _pad_id(self) -> int:
         for candidate in (getattr(self.tokenizer, "pad_token_id", None), self.model.generation_config.pad_token_id,
@@ -147,231 +152,254 @@ class Scheduler:
                 self._queue.remove(handle)
                 handle.finish("cancelled")
                 self.counters["cancelled"] += 1
+                self.counters["finished"] += 1
                 return
-        handle.cancel_requested = True
+            handle.cancel_requested = True
+            self._cond.notify_all()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until nothing is queued or running (every cache released to its session or closed); False on
-        timeout. A request's handle is done before its batch ends, so use this before reading idle sessions."""
+        timeout. A request's handle is done before its row leaves the batch, so use this before reading idle
+        sessions."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._queue and not self._running, timeout)
+            return self._cond.wait_for(lambda: not self._queue and not self._estimates and self._settled, timeout)
 
     def stop(self, timeout: float | None = 60.0) -> None:
-        """Cancel every queued and running request, wait for the threads to end, close every cache (idempotent)."""
+        """Cancel every queued and running request, wait for the loop thread to end, close every cache
+        (idempotent)."""
         with self._cond:
             self._stopping = True
             queued, self._queue = list(self._queue), deque()
-            for cohort in self._running:
-                for handle in cohort.handles:
-                    handle.cancel_requested = True
+            for row in self._estimates:
+                row.handle.cancel_requested = True
             self._cond.notify_all()
         for handle in queued:
             handle.finish("cancelled")
         self.counters["cancelled"] += len(queued)
-        self._dispatcher.join(timeout)
-        for cohort in list(self._running):
-            cohort.thread.join(timeout)
+        self._loop.join(timeout)
         self.sessions.close()
+        self.prefixes.close()
+
+    # --- the loop ------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    self._admit()
+                    while not self._stopping and not self._estimates:
+                        self._cond.wait()
+                        self._admit()
+                    if self._stopping:
+                        return
+                self._turn()
+        finally:
+            self._shut_down()
+
+    def _turn(self) -> None:
+        """One prefill chunk, a regroup when rows finished or wait to join, one decode step; then the gauges."""
+        with self._cond:
+            self._settled = False
+        try:
+            self._work()
+        finally:
+            caches = [row.cache for row in self._prefilling + self._ready if row.cache is not None]
+            gauges = self.batch.memory(caches)
+            gauges["host_bytes"] += self.prefixes.host_bytes
+            gauges.update(cached_prefixes=len(self.prefixes), spec_hits=self.batch.spec_hits,
+                          spec_steps=self.batch.spec_steps)
+            with self._cond:
+                self._gauges, self._settled = gauges, True
+                self._cond.notify_all()
+
+    def _work(self) -> None:
+        for row in [r for r in self._prefilling + self._ready if r.handle.cancel_requested]:
+            (self._prefilling if row in self._prefilling else self._ready).remove(row)
+            self._retire(row, None)
+        for row in self.batch.rows:
+            if row.handle.cancel_requested:
+                row.handle.finish("cancelled")  # leaves at this turn's regroup
+        if self._prefilling:
+            row = self._prefilling[0]
+            try:
+                status = self.batch.prefill_chunk(row)
+                if status == "prefix":
+                    self.prefixes.add(row.handle.prompt[:row.prefilled], row.cache)
+                elif status == "done":
+                    self._prefilling.pop(0)
+                    self._prefilled(row)
+            except Exception as error:  # noqa: BLE001 - reported to this request's client
+                self._prefilling.pop(0)
+                row.handle.finish("error", f"{type(error).__name__}: {error}")
+                self._retire(row, None)
+        rows = self.batch.rows
+        live = sum(not r.done for r in rows)
+        # prefilled requests join together (one regroup) once no other request is prefilling, or two are ready
+        joining = [r for r in self._ready if not rows or self.batch.can_join(r)] \
+            if not self._prefilling or not live or len(self._ready) >= 2 else []
+        finished = [r for r in rows if r.done]
+        # a regroup copies the rows' host K/V: rows that finished leave when others join, when they are half the
+        # batch, or at once when a session keeps the sequence (a finished row is fed pad tokens until it leaves)
+        if joining or (finished and (2 * len(finished) >= len(rows) or any(r.session for r in finished))):
+            self._ready = [r for r in self._ready if r not in joining]
+            try:
+                left = self.batch.regroup(joining)
+            except Exception as error:  # noqa: BLE001 - the batch is lost: every row of it fails
+                message = f"{type(error).__name__}: {error}"
+                for row in rows + joining:
+                    row.handle.finish("error", message)
+                    self._retire(row, None)
+                self.batch.close()
+                return
+            self.counters["regroups"] += 1
+            for row, cache in left:
+                self._retire(row, cache)
+        if any(not r.done for r in self.batch.rows):
+            try:
+                self.batch.step()
+            except Exception as error:  # noqa: BLE001 - the batch is lost: every row of it fails
+                message = f"{type(error).__name__}: {error}"
+                for row in self.batch.rows:
+                    row.handle.finish("error", message)
+                    self._retire(row, None)
+                self.batch.close()
+                return
+            self.counters["decode_steps"] += 1
+
+    def _prefilled(self, row: Row) -> None:
+        """A row's prompt is stored and its first token out: it waits to join the batch, or ends here."""
+        handle = row.handle
+        handle.prefilled_tokens = row.prefilled - row.stored
+        with self._cond:
+            self.counters["prefilled_tokens"] += handle.prefilled_tokens
+        if handle.done:  # its first token ended it (max_tokens 1, an end-of-sequence token, a stop string)
+            cache, row.cache = row.cache, None
+            self._retire(row, cache if isinstance(cache, DualDecoderCache) else None)
+        else:
+            self._ready.append(row)
+
+    def _retire(self, row: Row, cache: DualDecoderCache | None) -> None:
+        """A row is out of the scheduler: its session keeps `cache` (or starts over without one), its own cache
+        (an unfinished prefill) is closed, its counts are added."""
+        handle = row.handle
+        if not handle.done:
+            handle.finish("cancelled" if handle.cancel_requested else "length")
+        if isinstance(row.cache, DualDecoderCache):
+            row.cache.close()
+        row.cache = None
+        if row.session is not None:
+            self.sessions.release(row.session, cache)
+        elif cache is not None:
+            cache.close()
+        now = time.perf_counter()
+        with self._cond:
+            self._estimates.pop(row, None)
+            self.counters["finished"] += 1
+            self.counters["cancelled"] += handle.finish_reason == "cancelled"
+            self.counters["output_tokens"] += len(handle.token_ids)
+            self._recent.append((now, len(handle.token_ids)))
+            self._cond.notify_all()
+
+    def _shut_down(self) -> None:
+        """On the loop thread's exit: cancel and release everything it holds."""
+        rows = self._prefilling + self._ready + self.batch.rows
+        self._prefilling, self._ready = [], []
+        self.batch.close()
+        for row in rows:
+            row.handle.cancel_requested = True
+            self._retire(row, None)
+        with self._cond:
+            self._stopping = True
+            for handle in self._queue:
+                handle.finish("cancelled")
+            self._queue.clear()
+            self._cond.notify_all()
 
     # --- admission -----------------------------------------------------------------------------------------
-    def _dispatch(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stopping and self._admit() is None:
-                    self._cond.wait()
-                if self._stopping:
-                    return
-
-    def _admit(self) -> Cohort | None:
-        """Form and start one cohort from the queue if rows (and host memory) allow; called holding the lock."""
-        rows = sum(len(c.handles) for c in self._running)
-        if rows >= self.max_batch or not self._queue or any(not c.started for c in self._running):
-            return None  # (a cohort waiting for its first turn takes in what arrives meanwhile: `_join`)
-        for head in list(self._queue):
+    def _admit(self) -> None:
+        """Move queued requests (FIFO; a session's waits while its previous request runs) to the prefilling list
+        while rows and host memory allow; called holding the lock."""
+        for handle in list(self._queue):
+            if sum(not row.done for row in self._estimates) >= self.max_batch:  # finished rows leave when it joins
+                return
             session = None
-            if head.session is not None:
-                session = self.sessions.acquire(head.session)
+            if handle.session is not None:
+                session = self.sessions.acquire(handle.session)
                 if session is None:
                     continue  # its previous request still runs
-                members = [head]
-            else:
-                members = [head] + [h for h in self._queue if h is not head and h.session is None and
-                                    h.options.sampling_key == head.options.sampling_key][:self.max_batch - rows - 1]
-            cache = None if self.dense else self._cache_for(members, session)
-            needed = 0 if cache is None else self._host_bytes(cache, members)
+            row = Row(handle, session)
+            if session is not None and session.cache is not None:
+                self._continue_session(row)
+            needed = self._host_bytes(row)
             if self.max_host_bytes is not None:
-                held = sum(self._running.values()) + self.sessions.totals()["host_bytes"]
-                if held + needed > self.max_host_bytes:  # idle sessions make room first
+                held = sum(self._estimates.values()) + self.sessions.totals()["host_bytes"] + self.prefixes.host_bytes
+                if held + needed > self.max_host_bytes:  # idle sessions and cached prefixes make room first
+                    held -= self.prefixes.make_room(held + needed - self.max_host_bytes)
+                if held + needed > self.max_host_bytes:
                     held -= self.sessions.make_room(held + needed - self.max_host_bytes)
                 if held + needed > self.max_host_bytes:
                     if session is not None:
-                        self.sessions.release(session, session.cache)
-                    if cache is not None and (session is None or cache is not session.cache):
-                        cache.close()
-                    if not self._running:  # it can never fit
-                        self._queue.remove(head)
-                        head.finish("error", f"The request needs {format_bytes(needed)} of host memory; the server "
-                                             f"allows {format_bytes(self.max_host_bytes)} (--max-host-bytes).")
-                    return None
-            for member in members:
-                self._queue.remove(member)
-            cohort = Cohort(members, lambda c, s=session: self._run(c, s), self.turnstile, self._cohort_exit,
-                            on_start=self._join)
-            self._running[cohort] = needed
-            if cache is not None:
-                self._caches[cohort] = cache
-            self.counters["cohorts"] += 1
-            cohort.start()
-            return cohort
-        return None
+                        self.sessions.release(session, row.cache)
+                    elif row.cache is not None:
+                        row.cache.close()
+                    if not self._estimates:  # it can never fit
+                        self._queue.remove(handle)
+                        handle.finish("error", f"The request needs {format_bytes(needed)} of host memory; the server "
+                                               f"allows {format_bytes(self.max_host_bytes)} (--max-host-bytes).")
+                        self.counters["finished"] += 1
+                        continue
+                    return
+            self._queue.remove(handle)
+            if row.cache is None and self.prefix_block:
+                others = [h.prompt for h in self._queue]
+                self.counters["prefix_hit_tokens"] += self.prefixes.start(row, self.batch.new_cache, others)
+            self._estimates[row] = needed
+            self._prefilling.append(row)
 
-    def _join(self, cohort: Cohort) -> None:
-        """At a cohort's first turn: the queued requests that can share its batch join it (rows and host memory
-        allowing), so requests arriving during another cohort's step are batched together."""
-        with self._cond:
-            head = cohort.handles[0]
-            rows = sum(len(c.handles) for c in self._running)
-            joining = [] if head.session is not None else [  # a session's request runs alone on its cache
-                h for h in self._queue if h.session is None and
-                h.options.sampling_key == head.options.sampling_key][:max(0, self.max_batch - rows)]
-            if joining and self.max_host_bytes is not None:
-                cache = self._caches[cohort]
-                needed = self._host_bytes(cache, cohort.handles + joining)
-                held = sum(v for c, v in self._running.items() if c is not cohort)
-                if held + self.sessions.totals()["host_bytes"] + needed > self.max_host_bytes:
-                    joining = []
-                else:
-                    self._running[cohort] = needed
-            for handle in joining:
-                self._queue.remove(handle)
-            cohort.handles.extend(joining)
-            cohort.started = True
-            self._cond.notify_all()
+    def _continue_session(self, row: Row) -> None:
+        """A session request continues its session's cache when its prompt extends the stored tokens; otherwise the
+        session starts over (its cache is closed)."""
+        cache, prompt = row.session.cache, row.handle.prompt
+        stored, held = cache.get_seq_length(), cache.token_ids
+        if held is not None and prompt.numel() > stored and torch.equal(held[0, :stored], prompt[:stored]):
+            row.cache, row.session.cache = cache, None
+            self.counters["session_resumes"] += 1
+        else:
+            cache.close()
+            row.session.cache = None
 
-    def _cache_for(self, members: list[RequestHandle], session: Session | None) -> DualDecoderCache:
-        if session is not None and session.cache is not None:
-            cache, prompt = session.cache, members[0].prompt
-            stored = cache.get_seq_length()
-            held = cache.token_ids
-            if held is not None and prompt.numel() > stored and torch.equal(held[0, :stored], prompt[:stored]):
-                return cache
-            cache.close()  # the conversation changed before the stored end: start it over
-            session.cache = None
-        return DualDecoderCache(self.model.config, dual_config=self.dual_config)
-
-    def _host_bytes(self, cache: DualDecoderCache, members: list[RequestHandle]) -> int:
-        prompt = max(h.prompt.numel() for h in members)
-        tokens = prompt + max(h.options.max_tokens for h in members) + 1
+    def _host_bytes(self, row: Row) -> int:
+        """Host bytes the row's cache will hold (its prompt + max_tokens + 1), not counting a session's stored
+        tokens (already counted as the session's); 0 for dense rows."""
+        if self.dense:
+            return 0
+        prompt, options = row.prompt_len, row.handle.options
+        cache = row.cache or self._probe
         stored = cache.get_seq_length()
+        tokens = prompt + options.max_tokens + 1
         if stored:
             return cache.host_bytes_needed(1, tokens - stored, self.model.dtype, prompt_tokens=prompt - stored)
-        return cache.host_bytes_needed(len(members), tokens, self.model.dtype, prompt_tokens=prompt)
-
-    # --- one cohort (on its own thread, holding the turn) ----------------------------------------------------
-    def _run(self, cohort: Cohort, session: Session | None) -> None:
-        handles = cohort.handles
-        cache = self._caches.get(cohort)
-        keep = False
-        try:
-            stored = 0 if cache is None else cache.get_seq_length()
-            shared = 0
-            sharing = cache is not None and not stored and SELECTORS[self.dual_config.selector].shares_prefix
-            if sharing and self.prefix_block:
-                shared = shared_prefix_length([h.prompt for h in handles], self.prefix_block)
-                shared = shared if shared >= self.dual_config.n_sink else 0  # the sink lies in the prefix
-                own = [h.prompt.numel() - shared for h in handles]
-                total = shared + max(own) + max(h.options.max_tokens for h in handles) + 1
-                if max(own) != min(own) and SLIDING_ATTENTION in resolve_layer_types(cache.text_config, total):
-                    shared = 0  # a sliding window counts the pads after the prefix: a row would see fewer tokens
-            width = shared + max(h.prompt.numel() - shared for h in handles)
-            ids = torch.full((len(handles), width), self.pad_id, dtype=torch.long)
-            mask = torch.zeros(len(handles), width, dtype=torch.long)
-            for row, handle in enumerate(handles):  # [shared prefix | left-padded rest of each prompt]
-                own = handle.prompt.numel() - shared
-                ids[row, :shared], mask[row, :shared] = handle.prompt[:shared], 1
-                ids[row, width - own:], mask[row, width - own:] = handle.prompt[shared:], 1
-            if stored:
-                self.counters["session_resumes"] += 1
-            for handle in handles:
-                handle.prefilled_tokens = handle.prompt.numel() - stored - shared
-                self.counters["prefilled_tokens"] += handle.prefilled_tokens
-            if shared:
-                self.counters["prefilled_tokens"] += shared
-                self.counters["shared_prefix_tokens"] += shared
-            options = handles[0].options
-            decode = None if self.tokenizer is None else (lambda t: self.tokenizer.decode(t, skip_special_tokens=True))
-            kwargs: dict[str, Any] = dict(
-                attention_mask=mask, max_new_tokens=max(h.options.max_tokens for h in handles),
-                streamer=CohortStreamer(cohort), pad_token_id=self.pad_id, return_dict_in_generate=True,
-                stopping_criteria=StoppingCriteriaList([RowStops(handles, width, decode, self.eos_ids)]),
-            )
-            if options.temperature == 0:
-                kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-            else:
-                kwargs.update(do_sample=True, temperature=float(options.temperature), top_p=float(options.top_p),
-                              top_k=None)
-                if options.seed is not None:
-                    torch.manual_seed(options.seed)
-            if cache is not None:
-                kwargs[cache_kwarg_name(self.model)] = cache
-            if all(h.cancel_requested for h in handles):
-                return
-            if shared:  # the shared prefix, prefilled and stored once; the batch continues it
-                # layer types (sliding windows served as full attention or not) are fixed for the whole cohort
-                cache.max_cache_len = width + kwargs["max_new_tokens"] + 1
-                self.model.generate(
-                    ids[:1, :shared], attention_mask=mask[:1, :shared], max_new_tokens=1, do_sample=False,
-                    temperature=None, top_p=None, top_k=None, streamer=PrefixStreamer(cohort),
-                    pad_token_id=self.pad_id, **{cache_kwarg_name(self.model): cache})
-                if all(h.cancel_requested for h in handles):
-                    return
-            self.model.generate(ids, **kwargs)
-            keep = session is not None
-        finally:
-            if cache is not None:
-                stats = cache.stats()
-                with self._cond:
-                    self.counters["spec_hits"] += int(stats["spec_hits"])
-                    self.counters["spec_steps"] += int(stats["spec_steps"])
-            if session is not None:
-                self.sessions.release(session, cache if keep else None)
-            if cache is not None and not keep:
-                cache.close()
-
-    def _cohort_exit(self, cohort: Cohort) -> None:
-        now = time.perf_counter()
-        tokens = sum(len(h.token_ids) for h in cohort.handles)
-        with self._cond:
-            self._running.pop(cohort, None)
-            self._caches.pop(cohort, None)
-            self.counters["finished"] += len(cohort.handles)
-            self.counters["cancelled"] += sum(h.finish_reason == "cancelled" for h in cohort.handles)
-            self.counters["output_tokens"] += tokens
-            self._recent.append((now, tokens))
-            self._cond.notify_all()
+        return cache.host_bytes_needed(1, tokens, self.model.dtype, prompt_tokens=prompt)
 
     # --- accounting ----------------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         """Counters and gauges: running / queued requests, output tokens and tokens/s (last `RATE_WINDOW_S`
-        seconds, counted when a cohort ends), device and host bytes of running requests and idle sessions,
-        speculation hit rate, sessions, evictions."""
+        seconds, counted when a request ends), device and host bytes of running requests, idle sessions and cached
+        prefixes, speculation hit rate, sessions, evictions."""
         now = time.perf_counter()
         with self._cond:
             while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
                 self._recent.popleft()
             window = min(RATE_WINDOW_S, now - self.started)
-            running = [h for c in self._running for h in c.handles if not h.done]
-            caches = list(self._caches.values())
             out = dict(self.counters)
-            out.update(running_requests=len(running), queued_requests=len(self._queue),
+            out.update(running_requests=sum(not row.done for row in self._estimates),
+                       queued_requests=len(self._queue),
                        tokens_per_second=sum(n for _, n in self._recent) / window if window > 0 else 0.0)
-        device = host = 0
-        for cache in caches:
-            device += cache.held_device_bytes
-            host += int(cache.stats()["host_bytes"])
+            gauges = dict(self._gauges)
         sessions = self.sessions.totals()
-        out.update(device_bytes=device + sessions["device_bytes"], host_bytes=host + sessions["host_bytes"],
+        out["spec_hits"], out["spec_steps"] = gauges["spec_hits"], gauges["spec_steps"]
+        out.update(device_bytes=gauges["device_bytes"] + sessions["device_bytes"],
+                   host_bytes=gauges["host_bytes"] + sessions["host_bytes"],
                    sessions=sessions["sessions"], idle_sessions=sessions["idle_sessions"],
-                   evicted_sessions=self.sessions.evicted,
+                   evicted_sessions=self.sessions.evicted, cached_prefixes=gauges["cached_prefixes"],
                    spec_hit_rate=out["spec_hits"] / out["spec_steps"] if out["spec_steps"] else float("nan"))
         return out

@@ -1,0 +1,217 @@
+"""The running batch of the serving scheduler: requests are prefilled on caches of their own, one chunk at a time,
+then decode together as the rows of one `DualDecoderCache` that gains and loses rows between decode steps.
+
+Each decode step is the dual-token step of `decoding.dual_sample` (docs/design.md §2) over rows with their own
+positions, speculation state, sampling options and stops: feed `[x_t, x̂_{t+1}]` per row, keep the real token's K/V
+(`crop(-1)`), re-select the entries of rows whose speculated token missed (or that just joined, as `generate()`
+re-selects on its first step). Rows join and leave through `regroup` (`dual_cache/regroup.py`): the batch's request
+ends, a new cache is built from the rows that stay and the requests that finished their prefill, and the next step
+continues each row exactly where it was (its queries select its next entries, its sequence is unchanged). A
+regroup copies the rows' host K/V (its cost grows with the batch's stored tokens; docs/serving.md).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..cache import DualDecoderCache
+from ..compat import check_model_serves_dual
+from ..config import DualDecoderConfig
+from ..decoding import cache_kwarg_name
+from ..regroup import regroup
+from ..speculators import make_speculator
+from .rows import Row
+
+
+class DualBatch:
+    """Rows decoding together on one `DualDecoderCache`, and the prefill of the requests that will join them.
+
+    Args:
+        model: the causal LM (on its device, in eval mode). config: every request's `DualDecoderConfig`.
+        pad_id: token fed to rows that finished and await the next regroup. eos_ids: end-of-sequence ids.
+        decode: token ids → text (the tokenizer's), for stop strings; None without a tokenizer.
+
+    Attributes:
+        cache: the batch's cache (None while no row decodes). rows: the rows of `cache`, in order.
+    """
+
+    def __init__(self, model, config: DualDecoderConfig, pad_id: int, eos_ids: set[int],
+                 decode: Callable[[list[int]], str] | None) -> None:
+        self.model, self.config, self.pad_id, self.eos_ids, self.decode = model, config, pad_id, eos_ids, decode
+        self.cache_arg = cache_kwarg_name(model)
+        self.device = next(model.parameters()).device
+        self.speculator = make_speculator(config.speculator, config.ngram_size)
+        self.cache: DualDecoderCache | None = None
+        self.rows: list[Row] = []
+        self.mask: torch.Tensor | None = None  # (B, n) int64: 1 at each row's real positions of the batch axis
+        self.spec_hits = self.spec_steps = 0  # speculated tokens equal to the real one / speculated, every step
+
+    def _forward(self, cache: DualDecoderCache, tokens: torch.Tensor, mask: torch.Tensor | None,
+                 positions: torch.Tensor, keep: int):
+        return self.model(input_ids=tokens.to(self.device), attention_mask=None if mask is None else
+                          mask.to(self.device), position_ids=positions.to(self.device), use_cache=True,
+                          logits_to_keep=keep, dual_cache=cache, **{self.cache_arg: cache})
+
+    # --- prefill (one request, on its own cache) -----------------------------------------------------------
+    def new_cache(self, row: Row) -> DualDecoderCache:
+        """A fresh cache for a request (its layer types are fitted to the request when its prefill begins)."""
+        return DualDecoderCache(self.model.config, dual_config=self.config)
+
+    def can_join(self, row: Row) -> bool:
+        """Whether a prefilled row can join the running batch: its cache has the batch's layer types (a sliding
+        window that covers a short request is served as full attention, `DualDecoderCache.fit_layers`)."""
+        return self.cache is None or row.cache.layer_types == self.cache.layer_types
+
+    def prefill_chunk(self, row: Row) -> str:
+        """Feed the row's next prompt chunk (`prefill_chunk_size` tokens) to its own cache.
+
+        Returns `"more"`; `"prefix"` when the prefill paused at `row.prefix_end` (the cache's request ended there,
+        holding exactly the prompt's whole blocks, for the prefix cache; the next call continues it); or `"done"`
+        after the last chunk: the row's first token was picked and streamed and the cache's request ended (the
+        row then waits to join the batch).
+
+        Raises:
+            ValueError / HostMemoryError: from the cache (a prompt it cannot continue, no host memory), before
+            the first chunk's work.
+        """
+        if row.cache is None:
+            row.cache = self.new_cache(row)
+        cache, prompt, total = row.cache, row.handle.prompt, row.prompt_len + row.handle.options.max_tokens + 1
+        with torch.inference_mode():
+            if not cache.request_running:  # the first chunk (or the first after a pause): begin the cache's request
+                stored = cache.get_seq_length()
+                if stored:
+                    cache.check_continuation(prompt[None], row.prompt_len)
+                else:
+                    cache.fit_layers(total)
+                    check_model_serves_dual(self.model, cache, self.cache_arg,
+                                            {"input_ids": prompt[None, -1:].to(self.device)})
+                cache.begin_request(1, total, self.model.dtype, self.device, None, row.prompt_len)
+                if row.prefilled == 0:
+                    row.stored = row.prefilled = stored
+            start = row.prefilled
+            end = min(start + self.config.prefill_chunk_size,
+                      row.prefix_end if start < row.prefix_end else row.prompt_len)
+            outputs = self._forward(cache, prompt[None, start:end], None, torch.arange(start, end)[None], 1)
+            cache.crop(0)  # sliding-window layers drop what falls out of their window
+            row.prefilled = end
+            if end == row.prefix_end:
+                cache.end_request(prompt[None, :end])
+                return "prefix"
+            if end < row.prompt_len:
+                return "more"
+            logits = outputs.logits[0, -1].to("cpu", torch.float32)
+        cache.end_request(prompt[None])
+        row.emit(row.pick(logits), self.decode, self.eos_ids)
+        return "done"
+
+    # --- the batch ------------------------------------------------------------------------------------------
+    def regroup(self, joining: list[Row]) -> list[tuple[Row, DualDecoderCache | None]]:
+        """Between steps: rows that finished leave, `joining` rows (prefilled, not finished) join.
+
+        Returns `(row, cache)` for each row that left: a session row gets its own one-sequence cache back (its
+        stored tokens, for the session's next request), other rows None. Every cache this replaces is closed.
+        """
+        old, old_rows = self.cache, self.rows
+        staying = [(i, row) for i, row in enumerate(old_rows) if not row.done]
+        leaving = [(i, row) for i, row in enumerate(old_rows) if row.done]
+        left: list[tuple[Row, DualDecoderCache | None]] = []
+        try:
+            if old is not None:
+                old.end_request(self._sequences(old_rows, old.get_seq_length()))
+            for i, row in leaving:
+                kept = None
+                if row.session is not None and not row.handle.cancel_requested and row.handle.error is None:
+                    kept = regroup([(old, i)])
+                left.append((row, kept))
+            sources = [(old, i) for i, _ in staying] + [(row.cache, 0) for row in joining]
+            self.cache = regroup(sources) if sources else None
+        finally:
+            for cache in [old] + [row.cache for row in joining]:
+                if cache is not None:
+                    cache.close()
+            for row in joining:
+                row.cache = None
+        self.rows = [row for _, row in staying] + joining
+        if self.cache is None:
+            self.mask = None
+            return left
+        self.mask = self.cache.sequences.valid.long()
+        axis = self.cache.get_seq_length()
+        tokens = axis + max(r.handle.options.max_tokens - len(r.handle.token_ids) for r in self.rows) + 2
+        self.cache.begin_request(len(self.rows), tokens, self.model.dtype, self.device, self.mask, axis)
+        self.cache.end_prefill()  # no prefill: fills the sink and window tiers, selects with the rows' next queries
+        return left
+
+    def _sequences(self, rows: list[Row], axis: int) -> torch.Tensor:
+        """`(B, axis)` token ids of the rows' fed positions, right-aligned (pad ids on the left)."""
+        out = torch.full((len(rows), axis), self.pad_id, dtype=torch.long)
+        for i, row in enumerate(rows):
+            fed = row.tokens[:-1][-axis:]
+            out[i, axis - len(fed):] = torch.tensor(fed, dtype=torch.long)
+        return out
+
+    def step(self) -> None:
+        """One dual decode step of every row: feed each row's pending token (and its speculated one), then pick,
+        stream and stop-check each live row's next token."""
+        cache, rows = self.cache, self.rows
+        live = torch.tensor([not row.done for row in rows])
+        two = self.speculator.tokens_per_forward == 2
+        pending = torch.tensor([row.tokens[-1] if not row.done else self.pad_id for row in rows])
+        positions = torch.tensor([len(row.tokens) - 1 for row in rows])[:, None]
+        with torch.inference_mode():
+            if two:
+                first = torch.tensor([row.last_hit is None for row in rows])
+                hit = torch.tensor([bool(row.last_hit) for row in rows])
+                if self.config.miss_repair:
+                    cache.begin_step(repair=live & (first | ~hit), check=live & ~first & hit)
+                for row in rows:
+                    row.speculated = self._propose(row) if not row.done else self.pad_id
+                tokens = torch.stack([pending, torch.tensor([row.speculated for row in rows])], dim=1)
+                positions = positions + torch.arange(2)
+            else:
+                tokens = pending[:, None]
+            self.mask = torch.cat([self.mask, self.mask.new_ones(len(rows), 1)], dim=1)
+            step_mask = torch.cat([self.mask, self.mask.new_ones(len(rows), tokens.shape[1] - 1)], dim=1)
+            outputs = self._forward(cache, tokens, step_mask, positions, tokens.shape[1])
+            if two:
+                cache.crop(-1)  # only the real token's K/V are kept
+                spec_logits = outputs.logits[:, 1].to("cpu", torch.float32)
+            step_logits = outputs.logits[:, 0].to("cpu", torch.float32)
+            del outputs
+        hits = steps = 0
+        for i, row in enumerate(rows):
+            if row.done:
+                continue
+            token = row.pick(step_logits[i])
+            if two:
+                row.last_hit = token == row.speculated
+                row.spec_logits = spec_logits[i]
+                hits, steps = hits + int(row.last_hit), steps + 1
+            row.emit(token, self.decode, self.eos_ids)
+        cache.record_speculation(hits, steps)
+        self.spec_hits += hits
+        self.spec_steps += steps
+
+    def _propose(self, row: Row) -> int:
+        """The row's speculated next token (the cache's speculator, on the row's own sequence)."""
+        hit = None if row.last_hit is None else torch.tensor([row.last_hit])
+        logits = None if row.spec_logits is None else row.spec_logits[None]
+        return int(self.speculator.propose(torch.tensor([row.tokens]), logits, hit)[0])
+
+    def memory(self, caches: list[DualDecoderCache]) -> dict[str, int]:
+        """Device and host bytes held now by the batch's cache and `caches` (the prefilling rows')."""
+        device = host = 0
+        for cache in [self.cache, *caches]:
+            if cache is not None:
+                device += cache.held_device_bytes
+                host += int(cache.stats()["host_bytes"])
+        return {"device_bytes": device, "host_bytes": host}
+
+    def close(self) -> None:
+        """Close the batch's cache (its rows are the caller's to finish)."""
+        if self.cache is not None:
+            self.cache.close()
+        self.cache, self.rows, self.mask = None, [], None

@@ -1,0 +1,103 @@
+"""One request inside the decode loop (`Row`): its prompt, its tokens, its own cache while it prefills, its
+speculation state, and how it picks and stops on its tokens (per-request sampling and stop conditions)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+from ..cache import DualDecoderCache
+from .requests import RequestHandle
+from .sessions import Session
+
+
+@dataclass(eq=False)
+class Row:
+    """A request from admission to its end.
+
+    Attributes:
+        handle: the client's handle. session: its `Session` (None without one).
+        cache: its own `DualDecoderCache` while it prefills (a fresh one, or its session's); None once it joined the
+            running batch (then its sequence is a row of the batch's cache). None for dense rows.
+        stored: prompt positions its cache held before its prefill (a session's conversation, a cached prefix).
+        prefilled: prompt positions fed so far (the stored ones count as fed).
+        prefix_end: where its prefill pauses so the prefix cache copies its prompt's whole blocks (0: it does not).
+        tokens: prompt + generated tokens; the last one (`pending`) is not fed yet.
+        spec_logits: `(V,)` float32 logits at its speculated slot in the last forward; None before its first decode
+            step (the speculator then starts from prompt lookup, as `generate()` does on its first step).
+        speculated: the speculated token fed with `pending` in the last forward, or None.
+        last_hit: whether that speculated token equalled the real one; None before its first decode step.
+        generator: its own random generator when it samples (seeded by `GenerationOptions.seed` when given).
+    """
+
+    handle: RequestHandle
+    session: Session | None = None
+    cache: DualDecoderCache | None = None
+    stored: int = 0
+    prefilled: int = 0
+    prefix_end: int = 0
+    tokens: list[int] = field(default_factory=list)
+    spec_logits: torch.Tensor | None = None
+    speculated: int | None = None
+    last_hit: bool | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        self.tokens = self.handle.prompt.tolist()
+        options = self.handle.options
+        self.processors = LogitsProcessorList()
+        if options.temperature > 0:
+            self.processors.append(TemperatureLogitsWarper(float(options.temperature)))
+            if options.top_p < 1:
+                self.processors.append(TopPLogitsWarper(float(options.top_p)))
+            self.generator = torch.Generator()
+            if options.seed is not None:
+                self.generator.manual_seed(options.seed)
+            else:
+                self.generator.seed()
+
+    @property
+    def prompt_len(self) -> int:
+        return self.handle.prompt.numel()
+
+    @property
+    def done(self) -> bool:
+        return self.handle.done
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """The next token from `(V,)` float32 logits: argmax when greedy, else a sample after the request's
+        temperature and top-p (transformers' logits warpers, as `generate()` applies them)."""
+        if self.generator is None:
+            return int(logits.argmax())
+        ids = torch.tensor([self.tokens])
+        scores = self.processors(ids, logits[None])
+        return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=self.generator))
+
+    def emit(self, token: int, decode: Callable[[list[int]], str] | None, eos_ids: set[int]) -> None:
+        """Take a new token: stream it to the client, then finish the request if it stops here."""
+        self.tokens.append(token)
+        self.handle.emit_token(token)
+        reason = stop_reason(self.handle, decode, eos_ids)
+        if reason is not None:
+            self.handle.finish(reason)
+
+
+def stop_reason(handle: RequestHandle, decode: Callable[[list[int]], str] | None, eos_ids: set[int]) -> str | None:
+    """Why the request ends after its newest token, or None: cancellation, an end-of-sequence token, a stop string
+    in the text of its last tokens (`decode`: the tokenizer's), its max_tokens."""
+    new = handle.token_ids
+    if handle.cancel_requested:
+        return "cancelled"
+    if new and new[-1] in eos_ids:
+        return "stop"
+    if handle.options.stop and decode is not None:
+        longest = max(len(s) for s in handle.options.stop)
+        tail = decode(new[-(longest + 4):])
+        if any(s in tail for s in handle.options.stop):
+            return "stop"
+    if len(new) >= handle.options.max_tokens:
+        return "length"
+    return None
