@@ -349,10 +349,15 @@ class Scheduler:
                         continue
                     return
             self._queue.remove(handle)
-            if row.cache is None and self.prefix_block:
-                others = [h.prompt for h in self._queue]
-                self.counters["prefix_hit_tokens"] += self.prefixes.start(row, self.batch.new_cache, others)
             self._estimates[row] = needed
+            if row.cache is None and self.prefix_block:
+                try:  # a copy of a cached prefix may not fit in host memory: the request fails, not the loop
+                    hit = self.prefixes.start(row, self.batch.new_cache, [h.prompt for h in self._queue])
+                except Exception as error:  # noqa: BLE001 - reported to this request's client
+                    handle.finish("error", f"{type(error).__name__}: {error}")
+                    self._retire(row, None)  # (the condition's lock is re-entrant)
+                    continue
+                self.counters["prefix_hit_tokens"] += hit
             self._prefilling.append(row)
 
     def _continue_session(self, row: Row) -> None:
