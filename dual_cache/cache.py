@@ -353,7 +353,8 @@ class DualDecoderCache(Cache):
 
     def end_request(self, sequences: torch.Tensor | None = None) -> None:
         """The request ended: stop its retrieval threads and release its device memory (tiers, selection pool,
-        staging). The host stores and indexes stay for a request that continues these sequences.
+        staging). The host stores and indexes stay for a request that continues these sequences; a prompt that was
+        prefilled but never decoded gets its sink fixed here (as `end_prefill` would).
 
         Args:
             sequences: `(B, T)` token ids of the request's sequences (input + generated), kept for the stored
@@ -361,6 +362,8 @@ class DualDecoderCache(Cache):
         """
         if self.schedule is not None:  # a request was running
             stored = self.get_seq_length()
+            if stored and self.sequences.first_real is None and self.dual_layers:  # prefilled, never decoded
+                self.sequences.finish_prompt(self.dual_layers[0].host.shape_prefix[0], stored)
             self.token_ids = None if sequences is None or sequences.shape[1] < stored else \
                 sequences[:, :stored].to("cpu", copy=True)
             self._decoding_device_bytes = self._device_bytes()

@@ -37,6 +37,9 @@ def _check(rows: Sequence[tuple[DualDecoderCache, int]]) -> None:
                                "(DualDecoderCache.end_request).")
         if cache.get_seq_length() == 0 or not cache.dual_layers or cache.dual_layers[0].host is None:
             raise ValueError("regroup() was given a DualDecoderCache that holds no tokens.")
+        if cache.sequences.first_real is None:
+            raise ValueError("regroup() was given a DualDecoderCache whose prompt has no sink yet; end its request "
+                             "first (DualDecoderCache.end_request).")
         held = cache.dual_layers[0].host.shape_prefix[0]
         if not 0 <= row < held:
             raise ValueError(f"Row {row} is out of range for a DualDecoderCache of {held} sequence(s).")
@@ -51,7 +54,7 @@ def regroup(rows: Sequence[tuple[DualDecoderCache, int]]) -> DualDecoderCache:
     """A new `DualDecoderCache` holding sequence `row` of each `(cache, row)` pair, in that order.
 
     The source caches are left as they are (the caller closes those it no longer needs); a cache may appear in
-    several pairs. A source that was prefilled without decoding (no `end_prefill`) has its sink fixed here.
+    several pairs.
 
     Args:
         rows: `(cache, row)` pairs: caches of one model and one `DualDecoderConfig`, with the same layer types,
@@ -68,9 +71,6 @@ def regroup(rows: Sequence[tuple[DualDecoderCache, int]]) -> DualDecoderCache:
     """
     _check(rows)
     first = rows[0][0]
-    for cache, _ in rows:  # a prefilled cache that never decoded: fix its sink (as end_prefill does)
-        if cache.sequences.first_real is None:
-            cache.sequences.finish_prompt(cache.dual_layers[0].host.shape_prefix[0], cache.get_seq_length())
     starts = [int(cache.sequences.first_real[row]) for cache, row in rows]  # first real position of each
     lengths = [cache.get_seq_length() - start for (cache, _), start in zip(rows, starts)]
     axis, batch = max(lengths), len(rows)

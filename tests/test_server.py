@@ -129,6 +129,7 @@ def test_completion_and_chat_plain_and_streamed_agree(server):
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
     ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
     ("/v1/completions", {"prompt": "word " * 9000, "max_tokens": 4}, "positions"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**64}, "seed"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "role"),
 ])
@@ -178,3 +179,20 @@ def test_fifty_concurrent_clients_ten_disconnecting_mid_stream(server):
     assert metrics["cancelled"] >= 5  # the dropped clients' requests stopped early (none of the others)
     assert metrics["running_requests"] == 0 and metrics["queued_requests"] == 0
     assert metrics["device_bytes"] == 0 and metrics["host_bytes"] == 0
+
+
+def test_a_non_streaming_client_that_disconnects_is_cancelled(server):
+    """Tokens arrive faster than the handler's poll interval; the disconnect is still noticed."""
+    port, scheduler = server
+    assert scheduler.wait_idle(120)
+    before = scheduler.metrics()
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 300, "temperature": 0})
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+    time.sleep(1.0)
+    sock.close()
+    assert scheduler.wait_idle(120)
+    after = scheduler.metrics()
+    assert after["cancelled"] == before["cancelled"] + 1
+    assert after["output_tokens"] - before["output_tokens"] < 300

@@ -282,3 +282,58 @@ def test_a_cached_prefix_with_sliding_window_layers_equals_each_request_alone():
     for prompt, handle in zip(prompts, handles):
         expected = model.generate(prompt[None], max_new_tokens=8, do_sample=False)
         assert handle.token_ids == expected[0, prompt.numel():].tolist()
+
+
+def test_requests_whose_layer_types_differ_never_share_a_batch():
+    """Gemma (window 24): a short request serves its sliding layers as full attention, a long one does not; queued
+    together onto an empty batch they decode in turn, each equal to its solo run."""
+    model = tiny_gemma3(seed=60)
+    prompts, new = _prompts(61, [6, 40, 8]), [12, 4, 3]
+    scheduler = Scheduler(model, cache_config={**FULL, "prefill_chunk_size": 4}, max_batch=3)
+    try:
+        with scheduler._cond:
+            handles = [scheduler.add_request(p, GenerationOptions(max_tokens=n, temperature=0))
+                       for p, n in zip(prompts, new)]
+        assert all(h.wait(120) for h in handles)
+    finally:
+        scheduler.stop()
+    for prompt, n, handle in zip(prompts, new, handles):
+        assert handle.finish_reason == "length", handle.error
+        assert handle.token_ids == model.generate(prompt[None], max_new_tokens=n,
+                                                  do_sample=False)[0, prompt.numel():].tolist()
+
+
+def test_prompts_sharing_a_document_queued_together_use_the_prefix_cache():
+    model = tiny_llama(seed=62)
+    document = _prompts(63, [96])[0]
+    prompts = [torch.cat([document, own]) for own in _prompts(64, [5, 17, 1])]
+    scheduler = Scheduler(model, cache_config=FULL, max_batch=3, prefix_block=16)
+    try:
+        with scheduler._cond:
+            handles = [scheduler.add_request(p, GenerationOptions(max_tokens=4, temperature=0)) for p in prompts]
+        assert all(h.wait(120) for h in handles)
+    finally:
+        scheduler.stop()
+    assert scheduler.counters["prefix_hit_tokens"] > 0
+    for prompt, handle in zip(prompts, handles):
+        assert handle.finish_reason == "length", handle.error
+        assert handle.token_ids == model.generate(prompt[None], max_new_tokens=4,
+                                                  do_sample=False)[0, prompt.numel():].tolist()
+
+
+def test_options_out_of_range_and_counters_on_stop():
+    with pytest.raises(ValueError, match="seed"):
+        GenerationOptions(seed=2**64)
+    model = tiny_llama(seed=65)
+    prompt = _prompts(66, [20])[0]
+    scheduler = Scheduler(model, cache_config=FULL, max_batch=1)
+    try:
+        tiny = scheduler.add_request(prompt, GenerationOptions(max_tokens=5, temperature=1e-40))  # greedy
+        assert tiny.wait(60) and tiny.finish_reason == "length", tiny.error
+        assert tiny.token_ids == model.generate(prompt[None], max_new_tokens=5, do_sample=False)[0, 20:].tolist()
+        handles = [scheduler.add_request(prompt, GenerationOptions(max_tokens=200, temperature=0)) for _ in range(4)]
+        next(handles[0].tokens(timeout=60))
+    finally:
+        scheduler.stop()
+    metrics = scheduler.metrics()
+    assert all(h.done for h in handles) and metrics["finished"] == metrics["requests"] == 5

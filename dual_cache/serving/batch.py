@@ -59,10 +59,13 @@ class DualBatch:
         """A fresh cache for a request (its layer types are fitted to the request when its prefill begins)."""
         return DualDecoderCache(self.model.config, dual_config=self.config)
 
-    def can_join(self, row: Row) -> bool:
+    def can_join(self, row: Row, first: Row | None = None) -> bool:
         """Whether a prefilled row can join the running batch: its cache has the batch's layer types (a sliding
-        window that covers a short request is served as full attention, `DualDecoderCache.fit_layers`)."""
-        return self.cache is None or row.cache.layer_types == self.cache.layer_types
+        window that covers a short request is served as full attention, `DualDecoderCache.fit_layers`); with
+        `first`, the layer types of that row, which starts a batch with no rows."""
+        types = first.cache.layer_types if first is not None else None if self.cache is None else \
+            self.cache.layer_types
+        return types is None or row.cache.layer_types == types
 
     def prefill_chunk(self, row: Row) -> str:
         """Feed the row's next prompt chunk (`prefill_chunk_size` tokens) to its own cache.

@@ -58,9 +58,14 @@ def cmd_serve(args) -> int:
     scheduler = Scheduler(model, tokenizer, cache_config=args.cache_config or DualDecoderConfig(), dense=args.dense,
                           max_batch=args.max_batch, max_host_bytes=args.max_host_bytes,
                           prefix_block=args.prefix_block)
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # SIGINT / SIGTERM: running requests end after their step,
+            scheduler.cancel_all()  # so their connections close and uvicorn's graceful shutdown does not wait
+            super().handle_exit(sig, frame)
+
+    app = create_app(scheduler, tokenizer, model_display_name(args.model))
     try:
-        uvicorn.run(create_app(scheduler, tokenizer, model_display_name(args.model)), host=args.host, port=args.port,
-                    log_level="info")
+        Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info")).run()
     finally:
         scheduler.stop()
     return 0

@@ -40,7 +40,8 @@ class DenseBatch:
                           mask.to(self.device), position_ids=positions.to(self.device),
                           use_cache=True, logits_to_keep=1, **{self.cache_arg: cache})
 
-    def can_join(self, row: Row) -> bool:
+    def can_join(self, row: Row, first: Row | None = None) -> bool:
+        """Always: a `DynamicCache` has one set of layer types."""
         return True
 
     def prefill_chunk(self, row: Row) -> str:

@@ -23,7 +23,7 @@ class GenerationOptions:
 
     Attributes:
         max_tokens: new tokens at most (≥ 1).
-        temperature: 0 = greedy decoding; > 0 samples from the softmax at this temperature.
+        temperature: 0 (or below 1e-5) = greedy decoding; otherwise samples from the softmax at this temperature.
         top_p: nucleus sampling mass in (0, 1] (used when sampling).
         stop: strings that end the request when the generated text contains one (the text is cut before it).
         seed: seeds torch's generator when the request's batch starts (reproducible when it runs alone).
@@ -49,17 +49,11 @@ class GenerationOptions:
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             problems.append(f"stop must be non-empty strings, got {self.stop!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            problems.append(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**63):
+            problems.append(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if problems:
             raise ValueError("; ".join(problems) + ".")
-
-    @property
-    def sampling_key(self) -> tuple:
-        """Requests with equal keys can share one batch (`generate()` samples a batch with one setting)."""
-        if self.temperature == 0:
-            return ("greedy",)
-        return ("sample", float(self.temperature), float(self.top_p), self.seed)
 
 
 @dataclass(eq=False)

@@ -14,6 +14,9 @@ from .requests import RequestHandle
 from .sessions import Session
 
 
+GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (dividing logits by them overflows); as vLLM does
+
+
 @dataclass(eq=False)
 class Row:
     """A request from admission to its end.
@@ -49,7 +52,7 @@ class Row:
         self.tokens = self.handle.prompt.tolist()
         options = self.handle.options
         self.processors = LogitsProcessorList()
-        if options.temperature > 0:
+        if options.temperature >= GREEDY_BELOW:
             self.processors.append(TemperatureLogitsWarper(float(options.temperature)))
             if options.top_p < 1:
                 self.processors.append(TopPLogitsWarper(float(options.top_p)))

@@ -167,6 +167,14 @@ class Scheduler:
     def stop(self, timeout: float | None = 60.0) -> None:
         """Cancel every queued and running request, wait for the loop thread to end, close every cache
         (idempotent)."""
+        self.cancel_all()
+        self._loop.join(timeout)
+        self.sessions.close()
+        self.prefixes.close()
+
+    def cancel_all(self) -> None:
+        """Refuse new requests, finish the queued ones as cancelled and make the running ones stop after their
+        current step; returns at once (safe from a signal handler). `stop()` then waits and closes."""
         with self._cond:
             self._stopping = True
             queued, self._queue = list(self._queue), deque()
@@ -175,10 +183,9 @@ class Scheduler:
             self._cond.notify_all()
         for handle in queued:
             handle.finish("cancelled")
-        self.counters["cancelled"] += len(queued)
-        self._loop.join(timeout)
-        self.sessions.close()
-        self.prefixes.close()
+        with self._cond:
+            self.counters["cancelled"] += len(queued)
+            self.counters["finished"] += len(queued)
 
     # --- the loop ------------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -221,6 +228,13 @@ class Scheduler:
         if self._prefilling:
             row = self._prefilling[0]
             try:
+                if self.prefix_block and row.cache is None and row.prefilled == 0:  # its prefill starts now, after
+                    # the requests before it added their prefixes: copy the longest one its prompt starts with
+                    with self._cond:
+                        others = [h.prompt for h in self._queue] + [r.handle.prompt for r in self._prefilling[1:]]
+                    hit = self.prefixes.start(row, self.batch.new_cache, others)
+                    with self._cond:
+                        self.counters["prefix_hit_tokens"] += hit
                 status = self.batch.prefill_chunk(row)
                 if status == "prefix":
                     self.prefixes.add(row.handle.prompt[:row.prefilled], row.cache)
@@ -234,7 +248,7 @@ class Scheduler:
         rows = self.batch.rows
         live = sum(not r.done for r in rows)
         # prefilled requests join together (one regroup) once no other request is prefilling, or two are ready
-        joining = [r for r in self._ready if not rows or self.batch.can_join(r)] \
+        joining = [r for r in self._ready if self.batch.can_join(r, self._ready[0] if not rows else None)] \
             if not self._prefilling or not live or len(self._ready) >= 2 else []
         finished = [r for r in rows if r.done]
         # a regroup copies the rows' host K/V: rows that finished leave when others join, when they are half the
@@ -311,6 +325,8 @@ class Scheduler:
             self._stopping = True
             for handle in self._queue:
                 handle.finish("cancelled")
+            self.counters["cancelled"] += len(self._queue)
+            self.counters["finished"] += len(self._queue)
             self._queue.clear()
             self._cond.notify_all()
 
@@ -326,10 +342,19 @@ class Scheduler:
                 session = self.sessions.acquire(handle.session)
                 if session is None:
                     continue  # its previous request still runs
-            row = Row(handle, session)
-            if session is not None and session.cache is not None:
-                self._continue_session(row)
-            needed = self._host_bytes(row)
+            row = None
+            try:  # nothing about one request may stop the loop: it fails alone
+                row = Row(handle, session)
+                if session is not None and session.cache is not None:
+                    self._continue_session(row)
+                needed = self._host_bytes(row)
+            except Exception as error:  # noqa: BLE001 - reported to this request's client
+                self._queue.remove(handle)
+                handle.finish("error", f"{type(error).__name__}: {error}")
+                self.counters["finished"] += 1
+                if session is not None:  # the session keeps what it stored
+                    self.sessions.release(session, row.cache if row is not None and row.cache else session.cache)
+                continue
             if self.max_host_bytes is not None:
                 held = sum(self._estimates.values()) + self.sessions.totals()["host_bytes"] + self.prefixes.host_bytes
                 if held + needed > self.max_host_bytes:  # idle sessions and cached prefixes make room first
@@ -350,14 +375,6 @@ class Scheduler:
                     return
             self._queue.remove(handle)
             self._estimates[row] = needed
-            if row.cache is None and self.prefix_block:
-                try:  # a copy of a cached prefix may not fit in host memory: the request fails, not the loop
-                    hit = self.prefixes.start(row, self.batch.new_cache, [h.prompt for h in self._queue])
-                except Exception as error:  # noqa: BLE001 - reported to this request's client
-                    handle.finish("error", f"{type(error).__name__}: {error}")
-                    self._retire(row, None)  # (the condition's lock is re-entrant)
-                    continue
-                self.counters["prefix_hit_tokens"] += hit
             self._prefilling.append(row)
 
     def _continue_session(self, row: Row) -> None:

@@ -167,10 +167,14 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str) -> FastAPI:
             return StreamingResponse(_sse(request, handle, events, stream, rid, created, kind, chat),
                                      media_type="text/event-stream")
         try:
+            check_at = loop.time() + POLL_S
             while not handle.done or not events.empty():
                 try:
                     await asyncio.wait_for(events.get(), POLL_S)
                 except asyncio.TimeoutError:
+                    pass
+                if loop.time() >= check_at:  # also while tokens keep coming (a step is shorter than POLL_S)
+                    check_at = loop.time() + POLL_S
                     if await request.is_disconnected():
                         scheduler.cancel(handle)
                         return _error(499, "client disconnected")
