@@ -118,4 +118,5 @@ class DenseBatch:
         return {"device_bytes": device, "host_bytes": 0}
 
     def close(self) -> None:
+        """Drop the batch's cache (its rows are the caller's to finish)."""
         self.cache, self.rows, self.mask = None, [], None
