@@ -55,10 +55,6 @@ class DualBatch:
                           logits_to_keep=keep, dual_cache=cache, **{self.cache_arg: cache})
 
     # --- prefill (one request, on its own cache) -----------------------------------------------------------
-    def new_cache(self, row: Row) -> DualDecoderCache:
-        """A fresh cache for a request (its layer types are fitted to the request when its prefill begins)."""
-        return DualDecoderCache(self.model.config, dual_config=self.config)
-
     def can_join(self, row: Row, first: Row | None = None) -> bool:
         """Whether a prefilled row can join the running batch: its cache has the batch's layer types (a sliding
         window that covers a short request is served as full attention, `DualDecoderCache.fit_layers`); with
@@ -79,8 +75,8 @@ class DualBatch:
             ValueError / HostMemoryError: from the cache (a prompt it cannot continue, no host memory), before
             the first chunk's work.
         """
-        if row.cache is None:
-            row.cache = self.new_cache(row)
+        if row.cache is None:  # a fresh cache (its layer types are fitted to the request below)
+            row.cache = DualDecoderCache(self.model.config, dual_config=self.config)
         cache, prompt, total = row.cache, row.handle.prompt, row.prompt_len + row.handle.options.max_tokens + 1
         with torch.inference_mode():
             if not cache.request_running:  # the first chunk (or the first after a pause): begin the cache's request
@@ -153,7 +149,7 @@ class DualBatch:
         out = torch.full((len(rows), axis), self.pad_id, dtype=torch.long)
         for i, row in enumerate(rows):
             fed = row.tokens[:-1][-axis:]
-            out[i, axis - len(fed):] = torch.tensor(fed, dtype=torch.long)
+            out[i, axis - len(fed):] = fed
         return out
 
     def step(self) -> None:
@@ -162,8 +158,8 @@ class DualBatch:
         cache, rows = self.cache, self.rows
         live = torch.tensor([not row.done for row in rows])
         two = self.speculator.tokens_per_forward == 2
-        pending = torch.tensor([row.tokens[-1] if not row.done else self.pad_id for row in rows])
-        positions = torch.tensor([len(row.tokens) - 1 for row in rows])[:, None]
+        pending = torch.tensor([row.pending if not row.done else self.pad_id for row in rows])
+        positions = torch.tensor([row.length - 1 for row in rows])[:, None]
         with torch.inference_mode():
             if two:
                 first = torch.tensor([row.last_hit is None for row in rows])
@@ -202,7 +198,7 @@ class DualBatch:
         """The row's speculated next token (the cache's speculator, on the row's own sequence)."""
         hit = None if row.last_hit is None else torch.tensor([row.last_hit])
         logits = None if row.spec_logits is None else row.spec_logits[None]
-        return int(self.speculator.propose(torch.tensor([row.tokens]), logits, hit)[0])
+        return int(self.speculator.propose(row.tokens[None], logits, hit)[0])
 
     def memory(self, caches: list[DualDecoderCache]) -> dict[str, int]:
         """Device and host bytes held now by the batch's cache and `caches` (the prefilling rows')."""

@@ -71,7 +71,7 @@ class DenseBatch:
         if not sources:
             self.cache, self.mask = None, None
             return left
-        lengths = [len(row.tokens) - 1 for row in self.rows]  # fed tokens, right-aligned in their caches
+        lengths = [row.length - 1 for row in self.rows]  # fed tokens, right-aligned in their caches
         axis = max(lengths)
         cache = DynamicCache(config=self.model.config)
         for layer_idx, layer in enumerate(cache.layers):
@@ -99,8 +99,8 @@ class DenseBatch:
     def step(self) -> None:
         """One decode step of every row (one token each), then pick, stream and stop-check each live row's token."""
         rows = self.rows
-        tokens = torch.tensor([row.tokens[-1] if not row.done else self.pad_id for row in rows])[:, None]
-        positions = torch.tensor([len(row.tokens) - 1 for row in rows])[:, None]
+        tokens = torch.tensor([row.pending if not row.done else self.pad_id for row in rows])[:, None]
+        positions = torch.tensor([row.length - 1 for row in rows])[:, None]
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(rows), 1)], dim=1)
         with torch.inference_mode():
             logits = self._forward(self.cache, tokens, self.mask, positions).logits[:, -1].to("cpu", torch.float32)

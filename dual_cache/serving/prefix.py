@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from ..cache import DualDecoderCache
+from ..layer_types import resolve_layer_types
 from ..regroup import regroup
 
 
@@ -77,14 +77,14 @@ class PrefixCache:
     def host_bytes(self) -> int:
         return sum(entry.host_bytes for entry in self._entries.values())
 
-    def start(self, row, new_cache: Callable, others: list[torch.Tensor]) -> int:
+    def start(self, row, others: list[torch.Tensor]) -> int:
         """Give `row` (a `rows.Row` without a cache) a copy of the longest cached prefix of its prompt, and mark where
         its prefill pauses to add a longer one (`row.prefix_end`): the most whole blocks its prompt shares with a
         queued prompt or a cached prefix, else all its whole blocks (a later turn of the same conversation, a
         repeated prompt). Returns the prompt tokens the copy holds.
 
         Args:
-            row: the admitted request. new_cache: `new_cache(row)` → a fresh `DualDecoderCache` for it.
+            row: the admitted request.
             others: `(P_i,)` token ids of the requests still queued.
         """
         if not self.block:
@@ -95,15 +95,12 @@ class PrefixCache:
         if not hashes:
             return 0
         tokens = row.prompt_len + row.handle.options.max_tokens + 1
-        probe = new_cache(row)
-        probe.fit_layers(tokens)
-        layer_types = probe.layer_types
-        probe.close()
         hit = 0
         for count in range(len(hashes), 0, -1):
             entry = self._entries.get(hashes[count - 1])
             if entry is not None and torch.equal(entry.ids, prompt[:count * self.block]) and \
-                    entry.cache.layer_types == layer_types:  # (sliding windows served as full attention or not)
+                    entry.cache.layer_types == resolve_layer_types(entry.cache.text_config, tokens):
+                # (the row's own layer types: sliding windows served as full attention or not)
                 self._entries.move_to_end(hashes[count - 1])
                 row.cache = regroup([(entry.cache, 0)])
                 hit = count * self.block

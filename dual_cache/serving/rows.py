@@ -3,7 +3,7 @@ speculation state, and how it picks and stops on its tokens (per-request samplin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -28,7 +28,8 @@ class Row:
         stored: prompt positions its cache held before its prefill (a session's conversation, a cached prefix).
         prefilled: prompt positions fed so far (the stored ones count as fed).
         prefix_end: where its prefill pauses so the prefix cache copies its prompt's whole blocks (0: it does not).
-        tokens: prompt + generated tokens; the last one (`pending`) is not fed yet.
+        ids: `(P + max_tokens + 1,)` int64 buffer of the prompt + generated tokens (the first `length`); the last one
+            (`pending`) is not fed yet. Preallocated, so a decode step copies no sequence.
         spec_logits: `(V,)` float32 logits at its speculated slot in the last forward; None before its first decode
             step (the speculator then starts from prompt lookup, as `generate()` does on its first step).
         speculated: the speculated token fed with `pending` in the last forward, or None.
@@ -42,14 +43,17 @@ class Row:
     stored: int = 0
     prefilled: int = 0
     prefix_end: int = 0
-    tokens: list[int] = field(default_factory=list)
+    length: int = 0
     spec_logits: torch.Tensor | None = None
     speculated: int | None = None
     last_hit: bool | None = None
     generator: torch.Generator | None = None
 
     def __post_init__(self) -> None:
-        self.tokens = self.handle.prompt.tolist()
+        prompt = self.handle.prompt
+        self.ids = torch.empty(prompt.numel() + self.handle.options.max_tokens + 1, dtype=torch.long)
+        self.ids[:prompt.numel()] = prompt
+        self.length = prompt.numel()
         options = self.handle.options
         self.processors = LogitsProcessorList()
         if options.temperature >= GREEDY_BELOW:
@@ -67,6 +71,16 @@ class Row:
         return self.handle.prompt.numel()
 
     @property
+    def tokens(self) -> torch.Tensor:
+        """`(length,)` int64 view: the prompt and the tokens generated so far."""
+        return self.ids[:self.length]
+
+    @property
+    def pending(self) -> int:
+        """The newest token (not fed to the model yet)."""
+        return int(self.ids[self.length - 1])
+
+    @property
     def done(self) -> bool:
         return self.handle.done
 
@@ -75,13 +89,13 @@ class Row:
         temperature and top-p (transformers' logits warpers, as `generate()` applies them)."""
         if self.generator is None:
             return int(logits.argmax())
-        ids = torch.tensor([self.tokens])
-        scores = self.processors(ids, logits[None])
+        scores = self.processors(self.tokens[None], logits[None])
         return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=self.generator))
 
     def emit(self, token: int, decode: Callable[[list[int]], str] | None, eos_ids: set[int]) -> None:
         """Take a new token: stream it to the client, then finish the request if it stops here."""
-        self.tokens.append(token)
+        self.ids[self.length] = token
+        self.length += 1
         self.handle.emit_token(token)
         reason = stop_reason(self.handle, decode, eos_ids)
         if reason is not None:

@@ -232,7 +232,7 @@ class Scheduler:
                     # the requests before it added their prefixes: copy the longest one its prompt starts with
                     with self._cond:
                         others = [h.prompt for h in self._queue] + [r.handle.prompt for r in self._prefilling[1:]]
-                    hit = self.prefixes.start(row, self.batch.new_cache, others)
+                    hit = self.prefixes.start(row, others)
                     with self._cond:
                         self.counters["prefix_hit_tokens"] += hit
                 status = self.batch.prefill_chunk(row)
