@@ -127,9 +127,12 @@ def run_static(model, requests, args, pad_id: int) -> list[dict]:
 def run_generate_batch(model, requests, args) -> list[dict]:
     from transformers import GenerationConfig
 
+    from .openmp_pool import release_openmp_pool
+
     config = GenerationConfig(do_sample=False, max_new_tokens=max(r["max_tokens"] for r in requests),
                               eos_token_id=None, pad_token_id=model.generation_config.pad_token_id or 0)
     manager = model.init_continuous_batching(generation_config=config)
+    release_openmp_pool()  # its loop thread gets the same treatment as the scheduler's (openmp_pool.py)
     manager.start()
     start, out, ids = time.perf_counter(), {}, []
     try:

@@ -31,6 +31,7 @@ from ..config import DualDecoderConfig
 from ..host_memory import format_bytes
 from .batch import DualBatch
 from .dense_batch import DenseBatch
+from .openmp_pool import release_openmp_pool
 from .prefix import PrefixCache
 from .requests import GenerationOptions, RequestHandle
 from .rows import Row
@@ -53,6 +54,10 @@ class Scheduler:
             evicted least recently used past it.
         prefix_block: tokens per block of the prefix cache: a prompt that starts with whole blocks an earlier prompt
             started with copies that prefix's stored K/V instead of prefilling it; 0 (the default) turns it off.
+
+    Creating a scheduler frees the calling thread's idle OpenMP worker threads (`openmp_pool.py`): with them alive,
+    torch runs several times slower per small operator on the loop thread of a CPU-only host. Create it on the
+    thread that loaded the model and leave the model's CPU work to the scheduler while it serves.
 
     Raises:
         ValueError: for a bad option (before any thread starts).
@@ -97,6 +102,7 @@ class Scheduler:
                          "prefix_hit_tokens": 0}
         self.started = time.perf_counter()
         self.started_at = int(time.time())  # wall clock, for OpenAI's `created`
+        release_openmp_pool()  # the caller's idle OpenMP threads would slow the loop thread's torch (openmp_pool.py)
         self._loop = threading.Thread(target=self._run, name="dual-scheduler", daemon=True)
         self._loop.start()
 
