@@ -154,6 +154,30 @@ def test_idle_sessions_hold_no_device_bytes_and_resume_with_only_new_tokens():
     assert live_host_bytes() == live_before and _threads() == threads_before  # nothing leaked
 
 
+def test_a_cancelled_session_turn_keeps_what_it_stored():
+    model = tiny_llama(seed=21)
+    prompt, user = _prompts(22, [45, 6])
+    scheduler = Scheduler(model, cache_config=PARTIAL, max_batch=2)
+    try:
+        first = scheduler.add_request(prompt, GenerationOptions(max_tokens=300, temperature=0), session="chat")
+        for count, _ in enumerate(first.tokens(timeout=60), 1):
+            if count == 5:
+                scheduler.cancel(first)
+        assert first.finish_reason == "cancelled" and 5 <= len(first.token_ids) < 300
+        assert scheduler.wait_idle(60) and scheduler.metrics()["device_bytes"] == 0
+        # the client resends the conversation with the partial answer, then a new user turn
+        turn = torch.cat([prompt, torch.tensor(first.token_ids), user])
+        second = scheduler.add_request(turn, GenerationOptions(max_tokens=8, temperature=0), session="chat")
+        assert second.wait(120) and second.error is None
+        assert scheduler.counters["session_resumes"] == 1
+        assert second.prefilled_tokens == user.numel() + 1  # the answer's last token was never fed
+        expected = model.generate(turn[None], max_new_tokens=8, do_sample=False, cache_implementation="dual",
+                                  cache_config=PARTIAL)[0, turn.numel():].tolist()
+        assert second.token_ids == expected
+    finally:
+        scheduler.stop()
+
+
 def test_sessions_past_the_host_budget_are_evicted_least_recently_used():
     model = tiny_llama(seed=9)
     probe = DualDecoderCache(model.config, **FULL)

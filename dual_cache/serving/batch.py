@@ -122,7 +122,7 @@ class DualBatch:
                 old.end_request(self._sequences(old_rows, old.get_seq_length()))
             for i, row in leaving:
                 kept = None
-                if row.session is not None and not row.handle.cancel_requested and row.handle.error is None:
+                if row.session is not None and row.handle.error is None:  # finished or cancelled: kept
                     kept = regroup([(old, i)])
                 left.append((row, kept))
             sources = [(old, i) for i, _ in staying] + [(row.cache, 0) for row in joining]

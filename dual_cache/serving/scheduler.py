@@ -226,8 +226,13 @@ class Scheduler:
 
     def _work(self) -> None:
         for row in [r for r in self._prefilling + self._ready if r.handle.cancel_requested]:
-            (self._prefilling if row in self._prefilling else self._ready).remove(row)
-            self._retire(row, None)
+            kept = None
+            if row in self._prefilling:  # its prefill stops midway: a session starts over
+                self._prefilling.remove(row)
+            else:  # prefilled: a session keeps its prompt
+                self._ready.remove(row)
+                kept, row.cache = (row.cache, None) if row.session is not None else (None, row.cache)
+            self._retire(row, kept)
         for row in self.batch.rows:
             if row.handle.cancel_requested:
                 row.handle.finish("cancelled")  # leaves at this turn's regroup

@@ -66,7 +66,8 @@ class SessionStore:
             return session
 
     def release(self, session: Session, cache: DualDecoderCache | None) -> None:
-        """The session's request ended; it keeps `cache` (None: the request failed, the session starts over)."""
+        """The session's request ended; it keeps `cache` (None: the request failed or was cancelled during its
+        prefill; the session starts over)."""
         with self._lock:
             if session.cache is not None and session.cache is not cache:
                 session.cache.close()
