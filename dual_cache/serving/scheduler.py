@@ -25,6 +25,7 @@ from collections import deque
 from typing import Callable, Sequence
 
 import torch
+from transformers.utils import logging
 
 from ..cache import DualDecoderCache
 from ..config import DualDecoderConfig
@@ -37,6 +38,7 @@ from .requests import GenerationOptions, RequestHandle
 from .rows import Row
 from .sessions import SessionStore
 
+logger = logging.get_logger(__name__)
 RATE_WINDOW_S = 10.0  # tokens/s is measured over this many recent seconds
 
 
@@ -57,7 +59,9 @@ class Scheduler:
 
     Creating a scheduler frees the calling thread's idle OpenMP worker threads (`openmp_pool.py`): with them alive,
     torch runs several times slower per small operator on the loop thread of a CPU-only host. Create it on the
-    thread that loaded the model and leave the model's CPU work to the scheduler while it serves.
+    thread that ran torch (usually the main thread, which loaded the model) and leave the model's CPU work to the
+    scheduler while it serves; a scheduler for a CPU model created on another thread logs a warning, since the
+    pool of a thread that ran parallel torch operators can be freed only by that thread.
 
     Raises:
         ValueError: for a bad option (before any thread starts).
@@ -103,6 +107,12 @@ class Scheduler:
         self.started = time.perf_counter()
         self.started_at = int(time.time())  # wall clock, for OpenAI's `created`
         release_openmp_pool()  # the caller's idle OpenMP threads would slow the loop thread's torch (openmp_pool.py)
+        if threading.current_thread() is not threading.main_thread() and \
+                next(model.parameters()).device.type == "cpu":
+            logger.warning("A Scheduler for a CPU model was created on a thread other than the main thread: if the "
+                           "main thread ran torch's parallel operators (loading the model does), its idle OpenMP "
+                           "threads slow the scheduler's decode steps (docs/serving.md, 'The loop thread and "
+                           "OpenMP'). Create the Scheduler on the main thread.")
         self._loop = threading.Thread(target=self._run, name="dual-scheduler", daemon=True)
         self._loop.start()
 

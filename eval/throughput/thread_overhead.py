@@ -1,7 +1,8 @@
 """What running torch on a second thread costs on a CPU, with and without `release_openmp_pool` (docs/serving.md,
 "The loop thread and OpenMP"): a few small operators, one decode-sized linear, and a dual-cache decode step of the
 embedded model, each timed on the thread that ran torch first, then on a new thread while that thread's OpenMP pool
-is alive, then on a new thread after it was released. Ratios against the first thread, in one run.
+is alive, then on a new thread after it was released; `--rounds` rounds of the three in turn, so that a drift of
+the machine's speed during the run reaches all three. Medians over the rounds, ratios against the first thread.
 
     python -m dual_cache.eval.throughput.thread_overhead --out results/serving/thread-overhead
 """
@@ -15,6 +16,7 @@ import time
 
 import torch
 
+from dual_cache.help_format import DefaultsHelpFormatter
 from dual_cache.serving.openmp_pool import release_openmp_pool
 
 
@@ -75,26 +77,31 @@ def cases(batch: int, prompt: int, steps: int):
 
     return [(f"100 × (masked_fill + cat) of ({batch}, 9, 2, 300) fp32", small_ops, 20),
             (f"100 × linear ({2 * batch}, 576) × (576, 1536) fp32", linear, 20),
-            (f"{steps} decode steps of generate(): {batch} rows, {prompt}-token prompts, dual cache", decode, 5)]
+            (f"{steps} decode steps of generate(): {batch} rows, {prompt}-token prompts, dual cache", decode, 2)]
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--batch", type=int, default=8, help="rows of the decode-sized workloads")
     parser.add_argument("--prompt", type=int, default=256, help="prompt tokens per row of the generate() case")
     parser.add_argument("--steps", type=int, default=32, help="new tokens of the generate() case")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the three timings per case")
     parser.add_argument("--out", default=None, help="output path without extension (.json and .md)")
     args = parser.parse_args(argv)
     rows = []
+    median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
     for name, fn, repeats in cases(args.batch, args.prompt, args.steps):
-        first = _time(fn, repeats)  # this thread: it builds (or keeps) its OpenMP pool
-        alive = _on_thread(fn, repeats)  # a second thread while this thread's pool is alive
-        released = release_openmp_pool()
-        freed = _on_thread(fn, repeats)
-        rows.append({"case": name, "first_thread_s": first, "second_thread_s": alive,
-                     "second_thread_after_release_s": freed, "released": released})
-    lines = [f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads; median seconds; ratio to the "
-             "first thread.", "", "| case | first thread | second thread | second thread, pool released |",
+        first, alive, freed = [], [], []
+        for _ in range(args.rounds):
+            first.append(_time(fn, repeats))  # this thread: it builds (or keeps) its OpenMP pool
+            alive.append(_on_thread(fn, repeats))  # a second thread while this thread's pool is alive
+            release_openmp_pool()
+            freed.append(_on_thread(fn, repeats))  # a second thread after this thread's pool was freed
+        rows.append({"case": name, "first_thread_s": median(first), "second_thread_s": median(alive),
+                     "second_thread_after_release_s": median(freed),
+                     "rounds": {"first": first, "second": alive, "second_after_release": freed}})
+    lines = [f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads; median seconds over "
+             f"{args.rounds} rounds; ratio to the first thread.", "", "| case | first thread | second thread | second thread, pool released |",
              "|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['case']} | {r['first_thread_s']:.4f} | {r['second_thread_s']:.4f} "
