@@ -7,8 +7,8 @@ than there are CPUs, and libgomp then nearly stops spin-waiting between parallel
 `GOMP_SPINCOUNT`: with more OpenMP threads than available CPUs it spins 100 times instead of 300,000): every
 operator wakes its workers through the kernel. Small operators then cost several times more on the second
 thread than on the first, and a decode step of many small operators slows down as a whole (docs/serving.md
-has the measurement). `omp_pause_resource_all` (an OpenMP 5.0 runtime routine) frees the caller's pool; the next parallel
-region on that thread builds a new one.
+has the measurement). `omp_pause_resource_all` (an OpenMP 5.0 runtime routine) frees the caller's pool; the next
+parallel region on that thread builds a new one.
 """
 
 from __future__ import annotations
