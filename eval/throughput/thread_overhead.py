@@ -101,7 +101,8 @@ def main(argv=None) -> int:
                      "second_thread_after_release_s": median(freed),
                      "rounds": {"first": first, "second": alive, "second_after_release": freed}})
     lines = [f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads; median seconds over "
-             f"{args.rounds} rounds; ratio to the first thread.", "", "| case | first thread | second thread | second thread, pool released |",
+             f"{args.rounds} rounds; ratio to the first thread.", "",
+             "| case | first thread | second thread | second thread, pool released |",
              "|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['case']} | {r['first_thread_s']:.4f} | {r['second_thread_s']:.4f} "
