@@ -116,11 +116,9 @@ def _regroup_dual(layer: DualLayer, sources, starts, offsets, axis: int, out: Du
     values = torch.zeros_like(keys)
     for i, ((source, row), start, offset) in enumerate(zip(sources, starts, offsets)):
         source.host.wait_written()
-        end = source.host.length
-        keys[i, :, offset:] = torch.cat([c[0, :, :end] for c in source.host.key_chunks(end, slice(row, row + 1))],
-                                        dim=1)[:, start:]
-        values[i, :, offset:] = torch.cat([c[0, :, :end] for c in source.host.value_chunks(end, slice(row, row + 1))],
-                                          dim=1)[:, start:]
+        end, rows = source.host.length, slice(row, row + 1)
+        _copy_positions(source.host.key_chunks(end, rows), start, keys[i, :, offset:])
+        _copy_positions(source.host.value_chunks(end, rows), start, values[i, :, offset:])
     layer.reserve_tokens = axis
     layer.lazy_initialization(keys[:, :, :0].to(src.device), values[:, :, :0].to(src.device))
     layer.host.append(keys, values)
@@ -130,6 +128,18 @@ def _regroup_dual(layer: DualLayer, sources, starts, offsets, axis: int, out: Du
         layer.next_query = torch.stack([q[row if q.shape[0] > 1 else 0] for q, (_, row) in zip(queries, sources)])
     if layer.selector is not None:
         layer.selector.adopt([(source.selector, row) for source, row in sources], axis, out.sequences.first_real)
+
+
+def _copy_positions(chunks: list[torch.Tensor], start: int, out: torch.Tensor) -> None:
+    """Copy positions `[start, ...)` of one sequence from a host store's chunk views (`(1, H_kv, n_i, D)` each,
+    consecutive positions from 0) into `out` (`(H_kv, positions, D)`), chunk by chunk, with no intermediate copy."""
+    first = 0  # the chunk's first position
+    for chunk in chunks:
+        last = first + chunk.shape[2]
+        if last > start:
+            lo = max(start, first)
+            out[:, lo - start:last - start] = chunk[0, :, lo - first:]
+        first = last
 
 
 def _regroup_sliding(layer: DynamicSlidingWindowLayer, sources, lengths, axis: int) -> None:

@@ -130,3 +130,16 @@ def test_bad_regroups_are_refused_before_any_work():
     finally:
         for c in (cache, other, empty):
             c.close()
+
+
+def test_copy_positions_equals_concatenating_the_chunks():
+    from dual_cache.regroup import _copy_positions
+
+    gen = torch.Generator().manual_seed(20261204)
+    for _ in range(20):
+        sizes = torch.randint(1, 9, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen).tolist()
+        chunks = [torch.randn(1, 3, n, 4, generator=gen) for n in sizes]
+        start = int(torch.randint(0, sum(sizes), (1,), generator=gen))
+        out = torch.full((3, sum(sizes) - start, 4), float("nan"))
+        _copy_positions(chunks, start, out)
+        assert torch.equal(out, torch.cat([c[0] for c in chunks], dim=1)[:, start:])
