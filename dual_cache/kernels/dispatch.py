@@ -12,6 +12,9 @@ arguments of `sparse_decode_attention_reference` (see `dual_cache.kernels.refere
   `UnsupportedShapeError` (a `ValueError`) for inputs the kernel refuses. CPU tensors run through Triton's
   interpreter (slow; for tests).
 
+On a CUDA query, `"auto"` falling back to the reference (no usable triton, or inputs the kernel refuses) is slow
+on the hot path: it warns once per reason (`RuntimeWarning`), naming the shape and dtypes.
+
 `triton_decode` is imported lazily, on the first call that may use it, so importing `dual_cache` never imports
 triton.
 """
@@ -19,6 +22,7 @@ triton.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Sequence
 
 import torch
@@ -46,6 +50,22 @@ def triton_import_error() -> str | None:
     if version < MIN_TRITON:
         return f"triton {triton.__version__} is older than {'.'.join(map(str, MIN_TRITON))}, which the kernel needs"
     return None
+
+
+_warned: set[str] = set()
+
+
+def _on_cuda(query: torch.Tensor) -> bool:
+    """Whether `"auto"` tries the kernel for this query (a CUDA tensor)."""
+    return query.device.type == "cuda"
+
+
+def _warn_fallback(reason: str) -> None:
+    """Warn once per distinct `reason` that a CUDA call runs the torch reference instead of the Triton kernel."""
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"dual-cache: decode attention on CUDA falls back to the slow torch reference: {reason}. "
+                      "Pass attention_kernel='torch' to choose it knowingly.", RuntimeWarning, stacklevel=3)
 
 
 def resolve_backend(query: torch.Tensor, segments: Sequence[KVSegment], backend: str = "auto") -> str:
@@ -77,13 +97,19 @@ def sparse_decode_attention(
         UnsupportedShapeError: `backend="triton"` with inputs the kernel does not support.
     """
     if backend == "auto":
-        if query.device.type != "cuda" or triton_import_error() is not None:
+        if not _on_cuda(query):
+            return sparse_decode_attention_reference(query, segments, query_positions, scaling, softcap)
+        if triton_import_error() is not None:
+            _warn_fallback(f"triton is unavailable ({triton_import_error()})")
             return sparse_decode_attention_reference(query, segments, query_positions, scaling, softcap)
         from .triton_decode import UnsupportedShapeError, sparse_decode_attention_triton
 
         try:  # one validation pass on the hot path: the kernel's own checks decide support
             return sparse_decode_attention_triton(query, segments, query_positions, scaling, softcap)
-        except UnsupportedShapeError:
+        except UnsupportedShapeError as error:
+            kv = segments[0].keys if segments else None
+            _warn_fallback(f"{error} (query {tuple(query.shape)} {query.dtype}"
+                           + ("" if kv is None else f", KV {tuple(kv.shape)} {kv.dtype}") + ")")
             return sparse_decode_attention_reference(query, segments, query_positions, scaling, softcap)
     if resolve_backend(query, segments, backend) == "torch":
         return sparse_decode_attention_reference(query, segments, query_positions, scaling, softcap)
