@@ -23,14 +23,15 @@ from .config import DualDecoderConfig
 from .host_memory import HostMemory, HostMemoryError, available_host_bytes  # noqa: F401  (public re-exports)
 from .host_store import HostKVStore, planned_capacity
 from .kernels import KVSegment
-from .layer import DualLayer, StepRows
+from .layer import DualLayer
+from .repair import StepRows
 from .layer_types import SLIDING_ATTENTION, resolve_layer_types
 from .schedule import TransferSchedule
 from .selectors import SELECTORS
 from .sequences import SequenceState
 
 SCHEDULE_COUNTERS = ("steps", "bytes_copied", "retrieval_seconds", "copy_seconds", "wait_seconds", "repairs",
-                     "repaired_steps", "repair_seconds")
+                     "repaired_steps", "repair_seconds", "device_wait_seconds", "device_step_seconds")
 
 
 class DualDecoderCache(Cache):
@@ -258,14 +259,13 @@ class DualDecoderCache(Cache):
                 layer.batch_repeat_interleave(batch_size)
 
     def _ensure_schedule(self, device: torch.device) -> None:
-        """Start the request's transfer schedule (slots sized to its largest layer budget)."""
+        """Start the request's transfer schedule (its device slots are made on first use, one ring per budget)."""
         if self.schedule is not None:
             return
         retrieving = [layer for layer in self.dual_layers if layer.budget > 0]
         self.schedule = TransferSchedule(
             device,
             layer_order=[layer.layer_idx for layer in retrieving],
-            slot_tokens=max([min(layer.budget, self._request_tokens) for layer in retrieving], default=0),
             layers_in_flight=self.dual_config.layers_in_flight,
             lookahead=self.dual_config.lookahead,
             threads=self.dual_config.threads_for(torch.device(device)),
@@ -296,22 +296,10 @@ class DualDecoderCache(Cache):
         for layer in self.dual_layers:
             layer.start_decoding()
 
-    def begin_step(self, repair: torch.Tensor | None = None, check: torch.Tensor | None = None) -> None:
-        """The sequences the next forward re-selects with the real token's query (`miss_repair`).
-
-        Args:
-            repair: `(B,)` bool, True where the speculated token that chose the next step's entries differed from
-                the real token (or on the first decode step): re-selected in every layer.
-            check: `(B,)` bool, True for the live sequences whose speculated token hit: re-selected in the layers
-                where their query drifted (`repair_drift`). None (or no True) = nothing to repair / check.
-        """
-        def host_rows(rows: torch.Tensor | None) -> torch.Tensor | None:
-            if rows is None:
-                return None
-            rows = rows.detach().to("cpu", torch.bool)
-            return rows if rows.any() else None
-
-        self.step_rows = StepRows(host_rows(repair), host_rows(check))
+    def begin_step(self, rows: StepRows) -> None:
+        """The sequences the next forward re-selects with the real token's query (`miss_repair`), decided on the
+        host before the step (`repair.RepairPolicy.rows`)."""
+        self.step_rows = rows
 
     def decode_segments(self, layer_idx: int, query: torch.Tensor, scaling: float) -> list[KVSegment]:
         """The segments layer `layer_idx` attends to in the running decode step (`DualLayer.decode_segments` with
@@ -407,10 +395,12 @@ class DualDecoderCache(Cache):
         self.step_rows = StepRows()
         try:
             if schedule is not None:
-                for name in SCHEDULE_COUNTERS:
-                    self._finished[name] += getattr(schedule, name)
-                self._timeline.extend(schedule.timeline())
-                schedule.close()
+                try:
+                    schedule.close()  # drains the copy stream, reads the device clock
+                finally:
+                    for name in SCHEDULE_COUNTERS:
+                        self._finished[name] += getattr(schedule, name)
+                    self._timeline.extend(schedule.timeline())
         finally:
             for layer in self.dual_layers:
                 layer.end_request()
@@ -475,8 +465,13 @@ class DualDecoderCache(Cache):
             spec_hits, spec_steps: speculated tokens that equalled the real one / speculated tokens;
             seq_length: tokens stored; steps: decode forward passes; requests: requests begun;
             retrieval_seconds, copy_seconds: host time spent selecting + gathering, and issuing copies;
-            wait_seconds: time the compute side waited for selections (all of it on the synchronous path);
-            overlap_ratio: `1 − wait / (retrieval + copy)` (nan before the first decode step);
+            wait_seconds: time the launching thread waited for selections (all of it on the synchronous path);
+            device_wait_seconds, device_step_seconds: on CUDA (device clock: events; 0 elsewhere), the compute
+                stream's time spent waiting for selection copies, and its time from one step's first layer to the
+                next's, over the finished requests;
+            overlap_ratio: on CUDA `1 − device_wait / device_step` (the share of the device's step time not spent
+                waiting for the host's copies); elsewhere `1 − wait / (retrieval + copy)` (nan before the first
+                decode step);
             repairs, repaired_steps, repair_seconds: (step, layer) selections redone by miss repair (misses and
                 drift), the decode steps in which any was, and the time they took;
             drift_repairs: those of the `repairs` made for drifted queries on hit steps (`repair_drift`).
@@ -496,6 +491,10 @@ class DualDecoderCache(Cache):
                 counters[name] += getattr(self.schedule, name)
         device = self._device_bytes() if self.schedule is not None else self._decoding_device_bytes
         busy = counters["retrieval_seconds"] + counters["copy_seconds"]
+        if counters["device_step_seconds"] > 0:  # a device clock: the compute stream's own waits
+            overlap = max(0.0, 1.0 - counters["device_wait_seconds"] / counters["device_step_seconds"])
+        else:
+            overlap = float("nan") if busy == 0 else max(0.0, 1.0 - counters["wait_seconds"] / busy)
         return {
             "device_bytes": device,
             "host_bytes": host,
@@ -505,7 +504,7 @@ class DualDecoderCache(Cache):
             "seq_length": self.get_seq_length(),
             "requests": self.requests,
             **counters,
-            "overlap_ratio": float("nan") if busy == 0 else max(0.0, 1.0 - counters["wait_seconds"] / busy),
+            "overlap_ratio": overlap,
             "drift_repairs": self.drift_repairs,
         }
 

@@ -17,6 +17,15 @@ from .kernels import BACKENDS as ATTENTION_KERNELS
 from .selectors import SELECTORS as SELECTOR_CLASSES
 
 SPECULATORS = ("self", "ngram", "none")
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity (`os.sched_getaffinity`, which a container's cpuset or
+    `taskset` narrows), else `os.cpu_count()`."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
 SELECTORS = tuple(SELECTOR_CLASSES)
 
 
@@ -58,8 +67,12 @@ class DualDecoderConfig:
             were computed over different selections in the layers below, and on copying steps (a needle's
             digits) they can point at different entries. None disables; 0 repairs every step (with
             `selector="exact"`, the `"oracle"` selection). The default and what it costs are measured in
-            results/needle/ (docs/benchmarks.md). On CUDA each check reads a `(B,)` flag back to the host per layer (a
-            synchronization point).
+            results/needle/ (docs/benchmarks.md). A check reads a `(B,)` flag back to the host per layer:
+            `drift_on_hit_steps` says in which steps it runs.
+        drift_on_hit_steps: whether the `repair_drift` check also runs in steps where every live sequence's
+            guess hit (True), or only in steps that repair a miss, which wait for the host per layer anyway
+            (False: steps where every guess hit never wait inside the layers, `repair.RepairPolicy`). None (the
+            default) picks True on a CPU device (no waits to save) and False on CUDA.
         selector: how each step's entries are chosen (`dual_cache.selectors`, one class per value):
             `"lowbit"` (the default) a 2-bit copy of every key on the host, scanned by the native engine to
             shortlist `lowbit_factor × budget` positions that are rescored exactly (`selectors/lowbit.py`);
@@ -76,8 +89,9 @@ class DualDecoderConfig:
             the other channels enter at each 64-token group's midpoint (`engine/reference.py`). 1.0 reads them all.
         retrieval_threads: host threads running retrieval jobs ahead of the compute, several layers at once; 0
             runs each job synchronously on the calling thread (the reference path; identical tokens and
-            selections for any count); None picks the host's cores when the model runs on CUDA and 0 on CPU
-            (where retrieval threads only compete with the compute for cores).
+            selections for any count); None picks the cores this process may use (`usable_cores`: its CPU
+            affinity) when the model runs on CUDA and 0 on CPU (where retrieval threads only compete with the
+            compute for cores).
         prefill_chunk_size: prompt tokens per prefill forward pass (tokens).
         ngram_size: maximum n-gram length matched by the `"ngram"` speculator (tokens).
         prefill_progress: show a tqdm progress bar over prefill chunks.
@@ -106,6 +120,7 @@ class DualDecoderConfig:
     speculator: str = "self"
     miss_repair: bool = True
     repair_drift: float | None = 0.4
+    drift_on_hit_steps: bool | None = None
     selector: str = "lowbit"
     lowbit_factor: int = 8
     lowbit_channels: float = 0.25
@@ -199,9 +214,10 @@ class DualDecoderConfig:
         return self.budget
 
     def threads_for(self, device: torch.device) -> int:
-        """Retrieval threads to use for a model on `device` (resolves `retrieval_threads=None`)."""
+        """Retrieval threads to use for a model on `device` (resolves `retrieval_threads=None`: the cores this
+        process may run on, `usable_cores()`, on CUDA; 0 on CPU)."""
         if self.retrieval_threads is None:
-            return (os.cpu_count() or 1) if device.type == "cuda" else 0
+            return usable_cores() if device.type == "cuda" else 0
         return self.retrieval_threads
 
     def validate(self) -> None:
@@ -257,6 +273,8 @@ class DualDecoderConfig:
         if self.selector not in SELECTORS:
             raise ValueError(f"`selector` must be one of {SELECTORS}, got {self.selector!r}.")
         SELECTOR_CLASSES[self.selector].check_config(self)
+        if self.drift_on_hit_steps is not None and not isinstance(self.drift_on_hit_steps, bool):
+            raise ValueError(f"`drift_on_hit_steps` must be True, False or None (auto), got {self.drift_on_hit_steps!r}.")
         for name in ("prefill_progress", "record_timeline", "miss_repair"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")

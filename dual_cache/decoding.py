@@ -5,14 +5,14 @@ token missed are marked before the next forward, whose layers re-select their en
 the sequences that hit are re-selected only in the layers where the real query drifted (`repair_drift`).
 
 `dual_sample` has the signature of `GenerationMixin._sample`; `integration.py` routes `generate()` here when the
-cache is a `DualDecoderCache`. Each forward carries the cache as the `dual_cache` keyword argument, which routes
-attention to the dual cache for that call only (`routing.py`): the shared model is never modified, so concurrent
-calls on one model, each with its own cache, are independent.
+cache is a `DualDecoderCache`. The step itself (speculation, repair decisions, the forward) is `step.DualStep`,
+which the serving scheduler runs too; per step this loop reads the device once (the sampled tokens, which sequences
+go on and the model's guess for the next speculated token, in one transfer). Each forward carries the cache as the
+`dual_cache` keyword argument, which routes attention to the dual cache for that call only (`routing.py`): the
+shared model is never modified, so concurrent calls on one model, each with its own cache, are independent.
 """
 
 from __future__ import annotations
-
-import inspect
 
 import torch
 from tqdm.auto import tqdm
@@ -21,18 +21,13 @@ from transformers.utils import logging
 
 from .cache import DualDecoderCache
 from .compat import check_model_serves_dual
-from .speculators import make_speculator
+from .step import DualStep, cache_kwarg_name
+from .streams import to_host_list
 
 logger = logging.get_logger(__name__)
 
 CACHE_KWARGS = ("cache", "past_key_values")  # transformers ≥5.24 / 5.22–5.23
 CLOSE_AFTER = "dual_close_after"  # model_kwargs flag: the cache was made for this call alone (`integration.py`)
-
-
-def cache_kwarg_name(model: torch.nn.Module) -> str:
-    """Name of the forward argument that takes the cache on this transformers version."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 def _position_ids(attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
@@ -73,8 +68,7 @@ def dual_sample(
     close_after = model_kwargs.pop(CLOSE_AFTER, False)
     config = cache.dual_config
     cache_arg = cache_kwarg_name(model)
-    speculator = make_speculator(config.speculator, config.ngram_size)
-    q_per_step = speculator.tokens_per_forward
+    step = DualStep(model, config)
 
     pad_token_id = generation_config._pad_token_tensor
     has_eos_stopping_criteria = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
@@ -92,7 +86,6 @@ def dual_sample(
     if stored:  # continue the cached sequences: only the new tokens are prefilled
         cache.check_continuation(input_ids if embeds is None else None, input_len, attention_mask)
     positions = _position_ids(attention_mask, batch, input_len, device)
-    next_position = positions[:, -1] + 1  # (B,)
     unfinished = torch.ones(batch, dtype=torch.long, device=device)
 
     def forward(tokens: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor, keep: int):
@@ -128,8 +121,12 @@ def dual_sample(
                 cache.crop(0)  # sliding-window layers drop what falls out of their window
             cache.end_prefill()
             step_logits = outputs.logits[:, -1].to(dtype=torch.float32, device=device)
-            spec_logits = speculated = last_hit = None
             del outputs
+            # what the host keeps of the sequences (read once here, then extended by each step's one read)
+            host_ids = torch.tensor(to_host_list(input_ids), dtype=torch.long).reshape(batch, -1)
+            next_position = to_host_list(positions[:, -1] + 1)
+            live = [True] * batch
+            spec_logits = speculated = last_hit = None
 
             while True:
                 next_scores = logits_processor(input_ids, step_logits)
@@ -144,45 +141,33 @@ def dual_sample(
                     next_tokens = next_scores.argmax(dim=-1)
                 if has_eos_stopping_criteria:
                     next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
-                if speculated is not None:
-                    live = unfinished.bool()
-                    last_hit = next_tokens == speculated
-                    cache.record_speculation((last_hit & live).sum().item(), live.sum().item())
                 input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
-                if streamer is not None:
-                    streamer.put(next_tokens.cpu())
                 unfinished = unfinished & ~stopping_criteria(input_ids, scores)
-                if unfinished.max() == 0:
+                chained = next_tokens if spec_logits is None else spec_logits.argmax(dim=-1)
+                # the step's one read from the device: the sampled tokens, which sequences go on, the model's guess
+                tokens, still, guesses = to_host_list(torch.stack([next_tokens, unfinished.long(), chained]))
+                if speculated is not None:
+                    last_hit = [t == s for t, s in zip(tokens, speculated)]
+                    cache.record_speculation(sum(h and on for h, on in zip(last_hit, live)), sum(live))
+                host_ids = torch.cat([host_ids, torch.tensor(tokens)[:, None]], dim=1)
+                if streamer is not None:
+                    streamer.put(torch.tensor(tokens))
+                live = [bool(on) for on in still]
+                if not any(live):
                     break
 
-                # one forward: the real token, plus the speculated one unless the speculator is "none"
-                if config.miss_repair and q_per_step == 2:
-                    # rows whose entries for this forward were chosen by a mis-speculated token (on the first step,
-                    # by the prompt's last position): re-selected with the real token's query, layer by layer;
-                    # rows that hit: re-selected in the layers where the real query drifted (`repair_drift`)
-                    live = unfinished.bool()
-                    if last_hit is None:
-                        cache.begin_step(repair=live)
-                    else:
-                        cache.begin_step(repair=live & ~last_hit, check=live & last_hit)
-                if q_per_step == 2:
-                    speculated = speculator.propose(input_ids, spec_logits, last_hit)
-                    tokens = torch.stack([next_tokens, speculated], dim=1)
-                else:
-                    tokens = next_tokens[:, None]
-                step_positions = next_position[:, None] + torch.arange(q_per_step, device=device)
+                # one forward: the real token, plus the speculated one unless the speculator is "none"; the rows whose
+                # entries a mis-speculated token chose (every row on the first step) are re-selected in the layers
+                speculated = step.propose(list(host_ids), None if spec_logits is None else guesses, last_hit)
                 if attention_mask is not None:
                     attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=-1)
-                    step_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, q_per_step - 1)], dim=-1)
+                    step_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, step.tokens_per_forward - 1)],
+                                          dim=-1)
                 else:
                     step_mask = None
-                outputs = forward(tokens, step_mask, step_positions, q_per_step)
-                if q_per_step == 2:
-                    cache.crop(-1)  # only the real token's K/V are kept
-                    spec_logits = outputs.logits[:, 1].to(dtype=torch.float32, device=device)
-                step_logits = outputs.logits[:, 0].to(dtype=torch.float32, device=device)
-                next_position = next_position + 1
-                del outputs
+                step_logits, spec_logits = step.forward(cache, tokens, speculated, next_position, step_mask, live,
+                                                        last_hit)
+                next_position = [p + 1 for p in next_position]
         cache.end_request(input_ids if embeds is None else None)
     except BaseException:
         cache.close()  # a request that did not finish leaves nothing to continue

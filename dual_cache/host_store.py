@@ -18,6 +18,7 @@ import ctypes
 import sys
 import threading
 import weakref
+from collections import deque
 from typing import Callable, Sequence
 
 import torch
@@ -149,11 +150,23 @@ class HostKVStore:
         self.on_alloc = on_alloc
         self.length = 0
         self._written: torch.cuda.Event | None = None
+        self._staged: deque = deque()  # (event, keys, values, position) appended by `stage`, not yet written
+        self._spare: list[tuple[torch.Tensor, torch.Tensor]] = []  # staging buffers free for reuse
+        self._stage_lock = threading.Lock()
         self._chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._starts: list[int] = []  # first position of each chunk
         self.capacity = 0  # allocated tokens per (sequence, KV head)
         self.shared_length = 0  # positions [0, shared_length) are one sequence's, shared by every row (`share`)
         self._finalizer = weakref.finalize(self, _release, self._chunks, self.page_lock)
+
+    def __getstate__(self) -> dict:  # copies (a closed cache's deepcopy) get a lock of their own
+        state = dict(self.__dict__)
+        del state["_stage_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._stage_lock = threading.Lock()
 
     @staticmethod
     def chunk_nbytes(batch_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, chunk_tokens: int) -> int:
@@ -241,18 +254,77 @@ class HostKVStore:
             self._written.record(torch.cuda.current_stream(keys.device))
         self.length += q
 
+    def stage(self, keys: torch.Tensor, values: torch.Tensor, streams) -> None:
+        """Append `(B, H_kv, q, D)` keys/values computed on the device during a decode step without a host wait: they
+        are copied into page-locked staging on the copy stream of `streams` (after the compute stream's work so far)
+        and written into the store by whichever comes first: a `wait_written` (any thread: a retrieval job, a
+        reader), or a later `stage` finding the copy done. `length` counts them at once; readers call
+        `wait_written` first. With `streams` that copy at once (`HostStreams`, a CPU device) the tokens are written
+        directly, as `append` does."""
+        if not streams.asynchronous:
+            self.append(keys, values)
+            return
+        q = keys.shape[2]
+        if self.length + q > self.capacity:
+            short = self.length + q - self.capacity
+            own = self.capacity - self.shared_length
+            self._grow(max(short, next_chunk_tokens(own, self.chunk_tokens)))
+        buffers = self._spare.pop() if self._spare and self._spare[-1][0].shape == keys.shape else None
+        if buffers is None:
+            pin = self.page_lock and keys.device.type == "cuda"
+            buffers = (torch.empty(keys.shape, dtype=self.dtype, pin_memory=pin),
+                       torch.empty(values.shape, dtype=self.dtype, pin_memory=pin))
+        streams.wait(streams.record("compute"), "copy")
+        streams.copy(buffers[0], keys)
+        streams.copy(buffers[1], values)
+        self._staged.append((streams.record("copy"), buffers[0], buffers[1], self.length))
+        self.length += q
+        self._drain(block=False)
+
+    def _drain(self, block: bool) -> None:
+        """Write staged tokens whose copies are done into the chunks, in order; with `block`, wait for every copy
+        (else stop at the first one still in flight, and skip if another thread is draining)."""
+        if not self._staged or not self._stage_lock.acquire(blocking=block):
+            return
+        try:
+            while self._staged:
+                event, keys, values, position = self._staged[0]
+                if not event.query():
+                    if not block:
+                        return
+                    event.synchronize()
+                self._write(keys, values, position)
+                self._staged.popleft()
+                self._spare.append((keys, values))
+        finally:
+            self._stage_lock.release()
+
+    def _write(self, keys: torch.Tensor, values: torch.Tensor, position: int) -> None:
+        """Copy host `(B, H_kv, q, D)` keys/values into the chunks at positions `[position, position + q)`."""
+        q, done = keys.shape[2], 0
+        while done < q:
+            chunk, offset = self._locate(position + done)
+            chunk_keys, chunk_values = self._chunks[chunk]
+            take = min(q - done, chunk_keys.shape[2] - offset)
+            chunk_keys[:, :, offset : offset + take].copy_(keys[:, :, done : done + take])
+            chunk_values[:, :, offset : offset + take].copy_(values[:, :, done : done + take])
+            done += take
+
     def _locate(self, position: int) -> tuple[int, int]:
         """`(chunk, offset)` of an allocated `position`."""
         chunk = bisect.bisect_right(self._starts, position) - 1
         return chunk, position - self._starts[chunk]
 
     def wait_written(self) -> None:
-        """Block the calling (host) thread until every appended token has landed in host memory (CUDA only)."""
+        """Block the calling (host) thread until every appended or staged token is in the store's host memory."""
         if self._written is not None:
             self._written.synchronize()
+        self._drain(block=True)
 
     def crop(self, n_tokens: int) -> None:
-        """Forget the last `n_tokens` tokens (their memory is reused by the next append)."""
+        """Forget the last `n_tokens` tokens (their memory is reused by the next append; staged tokens are written
+        first, so none lands after the crop)."""
+        self._drain(block=True)
         if not 0 <= n_tokens <= self.length - self.shared_length:
             raise ValueError(
                 f"Cannot crop {n_tokens} tokens from a store holding {self.length}"
@@ -304,47 +376,46 @@ class HostKVStore:
         return keys, values
 
     def gather(self, indices: torch.Tensor, out: Sequence[torch.Tensor] | None = None,
-               first_sequence: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values at `indices` (B, H_kv, k) int64 positions `< length`.
+               rows: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at `indices` (b, H_kv, k) int64 positions `< length`.
 
         Args:
-            out: optional contiguous `(keys, values)` `(B, H_kv, k, D)` host tensors to write into (e.g. a staging
+            out: optional contiguous `(keys, values)` `(b, H_kv, k, D)` host tensors to write into (e.g. a staging
                 buffer).
-            first_sequence: the `B` rows of `indices` are the store's sequences `first_sequence, …` (ValueError if
-                they lie outside its batch).
+            rows: the store's sequences the `b` rows of `indices` belong to (ValueError if outside its batch);
+                None: `0 … b - 1`.
 
         Returns:
-            `(keys, values)`, each `(B, H_kv, k, D)`.
+            `(keys, values)`, each `(b, H_kv, k, D)`.
         """
         out_keys, out_values = out if out is not None else (None, None)
-        first = self.first_row(first_sequence, indices.shape[0])
-        return self._gather(0, indices, out_keys, first), self._gather(1, indices, out_values, first)
+        own = self.own_rows(rows, indices.shape[0])
+        return self._gather(0, indices, out_keys, own), self._gather(1, indices, out_values, own)
 
-    def first_row(self, first_sequence: int, batch: int) -> int:
-        """Flat `(sequence, KV head)` row of `first_sequence`'s first KV head.
+    def own_rows(self, rows: Sequence[int] | None, batch: int) -> torch.Tensor:
+        """`(b, H_kv, 1)` int64 flat `(sequence, KV head)` rows of sequences `rows` (None: `0 … batch - 1`).
 
         Raises:
-            ValueError: unless sequences `[first_sequence, first_sequence + batch)` lie in the store's batch.
+            ValueError: unless `rows` are `batch` sequences of the store's batch.
         """
-        fits = 0 <= first_sequence <= first_sequence + batch <= self.shape_prefix[0]
-        if isinstance(first_sequence, bool) or not fits:
-            raise ValueError(
-                f"Sequences [{first_sequence}, {first_sequence + batch}) are outside this store's batch of "
-                f"{self.shape_prefix[0]}."
-            )
-        return first_sequence * self.shape_prefix[1]
+        rows = list(range(batch)) if rows is None else list(rows)
+        if len(rows) != batch or any(isinstance(r, bool) or not 0 <= r < self.shape_prefix[0] for r in rows):
+            raise ValueError(f"Sequences {rows} are not {batch} sequences of this store's batch of "
+                             f"{self.shape_prefix[0]}.")
+        kv_heads = self.shape_prefix[1]
+        return (torch.tensor(rows, dtype=torch.long)[:, None] * kv_heads + torch.arange(kv_heads)).view(
+            batch, kv_heads, 1)
 
-    def _gather(self, which: int, indices: torch.Tensor, out: torch.Tensor | None, first: int = 0) -> torch.Tensor:
+    def _gather(self, which: int, indices: torch.Tensor, out: torch.Tensor | None, own: torch.Tensor) -> torch.Tensor:
         """Rows of keys (`which=0`) or values (1) at `indices` `(b, H_kv, k)`, copied whole (`D` contiguous elements
-        each) with `index_select` from each chunk viewed as `(B·H_kv·tokens, D)`; `first` is the flat
-        `(sequence, KV head)` row of `indices`' first row."""
+        each) with `index_select` from each chunk viewed as `(B·H_kv·tokens, D)`; `own` `(b, H_kv, 1)` are the flat
+        `(sequence, KV head)` rows of `indices`' rows (`own_rows`)."""
         shape = (*indices.shape, self.head_dim)
         target = out if out is not None else torch.empty(shape, dtype=self.dtype)
         flat_out = target.view(-1, self.head_dim)  # (a non-contiguous `out` raises here)
         if not indices.numel():
             return target
-        batch, kv_heads = indices.shape[:2]
-        own = (first + torch.arange(batch * kv_heads)).view(batch, kv_heads, 1)  # flat (sequence, KV head) rows
+        kv_heads = indices.shape[1]
         shared = torch.arange(kv_heads).view(1, kv_heads, 1)  # a shared chunk's rows: one sequence
         if not self.shared_length and (len(self._chunks) == 1 or int(indices.max()) < self._starts[1]):
             tokens = self._chunks[0][which].shape[2]  # one chunk: one index_select
@@ -374,5 +445,8 @@ class HostKVStore:
         return target
 
     def free(self) -> None:
-        """Release every chunk now (unregistering page-locked memory). Idempotent; `length` is kept."""
+        """Release every chunk and staging buffer now (unregistering page-locked memory); staged tokens not yet
+        written are dropped (the request's copy stream was drained before). Idempotent; `length` is kept."""
+        self._staged.clear()
+        self._spare.clear()
         self._finalizer()

@@ -8,8 +8,6 @@ and per step as arguments (`decode_segments(..., rows)`); it never refers back t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -17,24 +15,11 @@ from .config import DualDecoderConfig
 from .host_memory import HostMemory
 from .host_store import HostKVStore
 from .kernels import KVSegment
+from .repair import StepRows
 from .schedule import TransferSchedule
+from .streams import to_host_list
 from .selectors import SELECTORS, Candidates, Selector
 from .sequences import SequenceState
-
-
-@dataclass(frozen=True)
-class StepRows:
-    """The sequences whose entries a decode step re-selects with the real token's query (`miss_repair`).
-
-    Attributes:
-        repair: `(B,)` bool host, re-selected in every layer (their speculated token missed, or the first step);
-            None when there are none.
-        check: `(B,)` bool host, re-selected in the layers where their real query drifted from the speculated
-            query that chose the entries (`repair_drift`); None when there are none.
-    """
-
-    repair: torch.Tensor | None = None
-    check: torch.Tensor | None = None
 
 
 def query_drift(query: torch.Tensor, chooser: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -96,6 +81,7 @@ class DualLayer(CacheLayerMixin):
         self.ring_size = config.window + 2
         self.reserve_tokens = 0  # tokens the host store holds at once when the request starts
         self.decoding = False
+        self.unstored = 0  # tokens of the running step past the real one (the speculated token): never stored
         # (B, H_q, D) float32 host: the query that selects the first decode step's entries of the next request: the
         # prompt's last query after a prefill, the last speculated token's query when a request ends mid-decode (kept
         # between requests so `regroup` can carry sequences into another cache without changing their selections)
@@ -122,25 +108,31 @@ class DualLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append `(B, H_kv, q, D)` new keys/values; returns them unchanged."""
+        """Append `(B, H_kv, q, D)` new keys/values; returns them unchanged.
+
+        In prefill they go to the host store. In a decode step all q go to the device window ring (the step attends
+        to them), and only the first — the real token; the others are the speculated token, which `crop` removes
+        after the forward — goes to the host store, without a host wait (`HostKVStore.stage`)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        start = self.host.length
-        self.host.append(key_states, value_states)
-        if self.decoding:
-            q = key_states.shape[2]
-            slot = start % self.ring_size
-            if slot + q <= self.ring_size:
-                self.ring_keys[:, :, slot : slot + q] = key_states
-                self.ring_values[:, :, slot : slot + q] = value_states
-            else:
-                slots = torch.arange(start, start + q, device=self.device) % self.ring_size
-                self.ring_keys.index_copy_(2, slots, key_states)
-                self.ring_values.index_copy_(2, slots, value_states)
+        if not self.decoding:
+            self.host.append(key_states, value_states)
+            return key_states, value_states
+        start, q = self.get_seq_length(), key_states.shape[2]
+        slot = start % self.ring_size
+        if slot + q <= self.ring_size:
+            self.ring_keys[:, :, slot : slot + q] = key_states
+            self.ring_values[:, :, slot : slot + q] = value_states
+        else:
+            slots = torch.arange(start, start + q, device=self.device) % self.ring_size
+            self.ring_keys.index_copy_(2, slots, key_states)
+            self.ring_values.index_copy_(2, slots, value_states)
+        self.host.stage(key_states[:, :, :1], value_states[:, :, :1], self.schedule.streams)
+        self.unstored += q - 1
         return key_states, value_states
 
     def get_seq_length(self) -> int:
-        return 0 if self.host is None else self.host.length
+        return 0 if self.host is None else self.host.length + self.unstored
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -156,9 +148,12 @@ class DualLayer(CacheLayerMixin):
             )
         if tokens_to_remove == 0 or self.host is None:
             return
-        self.host.crop(-tokens_to_remove)
-        if self.selector is not None:
-            self.selector.truncate(self.host.length)
+        unstored = min(-tokens_to_remove, self.unstored)  # the step's speculated token: never stored
+        self.unstored -= unstored
+        if -tokens_to_remove > unstored:
+            self.host.crop(-tokens_to_remove - unstored)
+            if self.selector is not None:
+                self.selector.truncate(self.host.length)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError(
@@ -184,6 +179,7 @@ class DualLayer(CacheLayerMixin):
                 continuing one: those stored plus the new prompt).
         """
         self.schedule = schedule
+        self.unstored = 0
         self.request_budget = min(self.budget, tokens)
         self.ring_size = min(self.config.window, tokens) + 2
         self.reserve_tokens = reserve
@@ -263,19 +259,12 @@ class DualLayer(CacheLayerMixin):
             self.submit_selection(self.next_query, committed=n)
 
     def _selection_job(self, query: torch.Tensor, committed: int, rows: list[int] | None = None,
-                       exact: frozenset[int] = frozenset()):
-        """The selector's retrieval job for `query` `(B, H_q, D)` (any device) among the candidates below
-        `committed - window`; `rows` selects for those sequences only (a repair), `exact` of them by exact
-        scoring (`Selector.job`)."""
+                       exact: frozenset[int] = frozenset(), use: str = "prefetch"):
+        """The selector's retrieval job for `query` `(B, H_q, D)` (any device: copied to the host on the copy stream,
+        the job waits for it) among the candidates below `committed - window`; `rows` selects for those sequences
+        only (a repair), `exact` of them by exact scoring (`Selector.job`)."""
         end = max(0, committed - self.config.window)
-        ready = None
-        if query.device.type == "cuda":  # no host sync on the launch thread: the job waits for the copy's event
-            host_query = torch.empty(query.shape, dtype=torch.float32, pin_memory=True)
-            host_query.copy_(query.detach(), non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(query.device))
-        else:
-            host_query = query.detach().to("cpu", torch.float32)
+        host_query, ready = self.schedule.query_to_host(self.layer_idx, query, use)
         candidates = Candidates(self.sequences.candidates_below(end), self.sequences.first_real)
         return self.selector.job(host_query, ready, candidates, self.scaling, rows, exact)
 
@@ -294,24 +283,25 @@ class DualLayer(CacheLayerMixin):
         shape = (batch, kv_heads, self.request_budget, self.host.head_dim)
         self.schedule.submit(self.layer_idx, self._selection_job(query, committed), shape, self.host.dtype)
 
-    def repair_selection(self, query: torch.Tensor, committed: int, rows: torch.Tensor,
-                         drifted: torch.Tensor | None = None) -> None:
+    def repair_selection(self, query: torch.Tensor, committed: int, rows: list[int], batch: int,
+                         drifted: list[int] = ()) -> None:
         """Miss repair: re-select the running step's entries of `rows` with the real token's own query.
 
         A sequence repaired for a miss is re-selected by the layer's selector; one repaired because its query
         drifted (`repair_drift`) by exact selection over every candidate key (`Selector.select_exact`), whatever
         the selector: drift repairs are rare (about 1% of hit (step, layer) pairs on the needle prompts) and are
-        the steps where an approximate index's misses cost an answer (docs/host-selection-engine.md).
+        the steps where an approximate index's misses cost an answer (docs/host-selection-engine.md). The layer
+        waits for the host (`TransferSchedule.repair`).
 
         Args:
             query: `(B, H_q, D)` the real token's query at this layer (slot 0 of the step).
             committed: real tokens in the cache before the step (as in `submit_selection`).
-            rows: `(B,)` bool host tensor, True for the sequences repaired (a miss, or a drifted query).
-            drifted: `(B,)` bool host tensor, True for the rows repaired for drift only; None: none.
+            rows: the sequences repaired (a miss, or a drifted query), ascending; batch: sequences of the step.
+            drifted: those of `rows` repaired for drift only.
         """
-        subset = None if bool(rows.all()) else rows.nonzero().flatten().tolist()
-        exact = frozenset() if drifted is None else frozenset(drifted.nonzero().flatten().tolist())
-        self.schedule.repair(self.layer_idx, self._selection_job(query, committed, subset, exact), rows)
+        subset = None if len(rows) == batch else list(rows)
+        job = self._selection_job(query, committed, subset, frozenset(drifted), use="repair")
+        self.schedule.repair(self.layer_idx, job, list(rows))
 
     def decode_segments(self, query: torch.Tensor, scaling: float,
                         rows: StepRows = StepRows()) -> tuple[list[KVSegment], int]:
@@ -329,7 +319,7 @@ class DualLayer(CacheLayerMixin):
             and 1 when this layer re-selected entries for a drifted query (`repair_drift`), else 0.
         """
         q = query.shape[2]
-        n = self.host.length  # includes the q new tokens
+        n = self.get_seq_length()  # includes the q new tokens
         segments = [KVSegment(self.sink_keys, self.sink_values, self.sink_pos, self.sink_valid)]
         drifted = 0
         selector = self.selector
@@ -340,30 +330,26 @@ class DualLayer(CacheLayerMixin):
             selection = self.schedule.acquire(self.layer_idx)
             if selector.repairable and not selector.selects_everything(n - q - self.config.window):
                 repair, drift_only = self._rows_to_repair(query[:, :, 0], rows)
-                if repair is not None:
-                    self.repair_selection(query[:, :, 0], n - q, repair, drift_only)
-                drifted = int(drift_only is not None)
+                if repair:
+                    self.repair_selection(query[:, :, 0], n - q, repair, rows.batch, drift_only)
+                drifted = int(bool(drift_only))
             segments.append(KVSegment(selection.keys, selection.values, selection.indices, selection.valid))
         ring_pos, ring_valid = self.sequences.ring_view(n, q, self.config.window, self.ring_size, self.device)
         segments.append(KVSegment(self.ring_keys, self.ring_values, ring_pos, ring_valid))
         return segments, drifted
 
-    def _rows_to_repair(self, real_query: torch.Tensor,
-                        rows: StepRows) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """`(B,)` bool host rows whose entries this layer re-selects with `real_query` `(B, H_q, D)`: `rows.repair`,
-        plus the `rows.check` rows whose query drifted from the one that chose the entries (`repair_drift`); None
-        when there are none. The second tensor marks the rows drift added (those not in `rows.repair`), or is
-        None when it added none."""
+    def _rows_to_repair(self, real_query: torch.Tensor, rows: StepRows) -> tuple[list[int], list[int]]:
+        """The sequences whose entries this layer re-selects with `real_query` `(B, H_q, D)`: `rows.repair`, plus
+        the `rows.check` sequences whose query drifted from the one that chose the entries (`repair_drift`; one
+        device→host read of a `(B,)` flag, only when there are such rows). Returns `(repair, drifted)`: ascending
+        indices, and those of them added for drift."""
         threshold = self.config.repair_drift
-        if rows.check is None or threshold is None or self.selecting_query is None:
-            return rows.repair, None
+        if not rows.check or threshold is None or self.selecting_query is None:
+            return list(rows.repair), []
         chooser = self.selecting_query.to(real_query.device, non_blocking=True)
-        drifted = (query_drift(real_query, chooser, self.host.shape_prefix[1]) >= threshold).cpu() & rows.check
-        if rows.repair is not None:
-            drifted &= ~rows.repair
-        if not drifted.any():
-            return rows.repair, None
-        return (drifted if rows.repair is None else rows.repair | drifted), drifted
+        far = to_host_list(query_drift(real_query, chooser, self.host.shape_prefix[1]) >= threshold)
+        drifted = [i for i in rows.check if far[i]]
+        return sorted(set(rows.repair) | set(drifted)), drifted
 
     def release(self) -> None:
         """The running step's attention at this layer is queued; its selection slot may be reused."""

@@ -1,17 +1,19 @@
 """Transfer schedule (docs/design.md §2, steps 1 and 3): retrieval jobs on a pool of host threads, their results copied
-into a layer-scoped device buffer pool `lookahead` layers before the layer needs them.
+into layer-scoped device slots `lookahead` layers before the layer needs them, every transfer ordered by streams and
+events (`streams.py`), never by a host wait on the launching thread.
 
 Per decode step every full-attention layer `l` with a budget uses one selection. Its retrieval job (the selector's
-choice, gather into the layer's host staging buffer) is submitted during the previous step and runs on one of
-`threads` host threads, so several layers' jobs are in flight at once (each job touches only its own layer's
-store, index and staging buffer, so the result does not depend on which thread runs it or when); its host→device copy
-is issued when layer `l - lookahead` (cyclically, across steps) acquires its own selection, into the next slot of a
-pool of `layers_in_flight` device slots taken round-robin in order of use; the compute side waits for that copy only
-when layer `l` acquires. A slot is overwritten only after the attention of its previous user was queued
-(`release`). On CUDA the copies run on a dedicated copy stream ordered by events (slot "free" events recorded on the
-compute stream, "ready" events recorded on the copy stream); the staging buffers are pinned and a retrieval job
-waits for the previous copy out of its layer's staging buffer before overwriting it. On CPU the "device" is host
-memory, the copy is a plain copy and the ordering is program order; everything else is shared.
+choice, gather into the layer's host staging buffer) is submitted during the previous step, right after the layer's
+attention, with the speculated token's query on its way to the host (`query_to_host`: pinned staging, copy stream,
+an event the job waits on); it runs on one of `threads` host threads, so several layers' jobs are in flight at once
+(each touches only its own layer's store, index and staging, so the result does not depend on which thread runs it
+or when). Its host→device copy is enqueued on the copy stream when layer `l - lookahead` (cyclically, across steps)
+acquires its own selection, into the next slot of the ring of slots of its budget (`layers_in_flight` contiguous
+slots of exactly that budget, fixed in address for the request), after the event that marks the slot's previous
+user's attention as done; the compute stream waits for the copy's event when layer `l` acquires. The launching
+thread waits only for a retrieval job to finish (a host thread, not the device). On a CPU device the "device" is
+host memory and `HostStreams` makes every copy immediate; `SimulatedStreams` runs the same code with asynchronous
+copies (tests).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+
+from .streams import elapsed_ms, make_streams
 
 
 @dataclass
@@ -54,14 +58,8 @@ class Selection:
             torch.empty(batch, kv_heads, tokens, dim, dtype=dtype, device=device, pin_memory=pin),
         )
 
-    def narrow(self, tokens: int) -> "Selection":
-        """Views of the first `tokens` entries."""
-        return Selection(
-            self.indices[..., :tokens], self.valid[..., :tokens], self.keys[..., :tokens, :],
-            self.values[..., :tokens, :],
-        )
-
     def copy_from(self, other: "Selection", non_blocking: bool = False) -> None:
+        """Copy `other`'s four tensors into these (same shapes)."""
         for dst, src in zip((self.indices, self.valid, self.keys, self.values),
                             (other.indices, other.valid, other.keys, other.values)):
             dst.copy_(src, non_blocking=non_blocking)
@@ -71,14 +69,14 @@ _Record = dict  # timeline entry of one (step, layer): seconds since the schedul
 
 
 class TransferSchedule:
-    """Retrieval on a host thread, copies `lookahead` layers ahead into `layers_in_flight` pooled device slots.
+    """Retrieval on host threads, copies `lookahead` layers ahead into per-budget rings of `layers_in_flight` device
+    slots, ordered by streams and events.
 
     Args:
         device: where attention runs.
         layer_order: the layers that retrieve, in the order the model runs them.
-        slot_tokens: entries per (sequence, KV head) of each device slot: the largest layer budget.
-        layers_in_flight: device slots of the pool.
-        lookahead: layers between issuing a copy and using it; `< layers_in_flight`.
+        layers_in_flight: device slots per ring (one ring per distinct budget among the layers).
+        lookahead: layers between issuing a selection's copy and the layer that uses it; `< layers_in_flight`.
         threads: 0 runs each job synchronously at `submit` (the reference path); N ≥ 1 runs jobs on a pool of N
             host threads. With N ≥ 2 each pool thread runs its torch ops single-threaded (parallelism comes from
             the jobs; torch's intra-op thread count is per thread), with N = 1 at torch's intra-op thread count.
@@ -93,7 +91,6 @@ class TransferSchedule:
         self,
         device: torch.device,
         layer_order: Sequence[int],
-        slot_tokens: int,
         layers_in_flight: int,
         lookahead: int,
         threads: int,
@@ -107,28 +104,28 @@ class TransferSchedule:
         self.device = torch.device(device)
         self.order = list(layer_order)
         self._next_in_order = {layer: self.order[(i + 1) % len(self.order)] for i, layer in enumerate(self.order)}
-        self.slot_tokens = slot_tokens
         self.layers_in_flight = layers_in_flight
         self.lookahead = lookahead
         self.record_timeline = record_timeline
-        self._cuda = self.device.type == "cuda"
+        self._pin = self.device.type == "cuda"
+        self.streams = make_streams(self.device)
         self._executor = (
             ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dual-retriever",
                                initializer=torch.set_num_threads if threads > 1 else None,
                                initargs=(1,) if threads > 1 else ())
             if threads > 0 else None
         )
-        self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._pending: dict[int, tuple[Future | None, _Record]] = {}
-        self._issued: dict[int, tuple[Selection, _Record, object]] = {}  # layer -> (device view, record, ready)
+        self._issued: dict[int, tuple[Selection, _Record, object]] = {}  # layer -> (device slot, record, ready)
         self._staging: dict[int, Selection] = {}
-        self._staging_free: dict[int, torch.cuda.Event] = {}
-        self._slots: list[Selection] = []
-        self._slot_free: list[torch.cuda.Event | None] = [None] * layers_in_flight
-        self._next_slot = 0
-        self._in_use: dict[int, tuple[int, _Record, Selection]] = {}  # layer -> (slot, record, device view)
+        self._staging_free: dict[int, object] = {}  # layer -> event: the copy out of its staging buffer is done
+        self._queries: dict[tuple[int, str], torch.Tensor] = {}  # (layer, use) -> pinned host query buffer
+        self._rings: dict[int, list[Selection]] = {}  # budget -> its device slots
+        self._ring_next: dict[int, int] = {}
+        self._slot_free: dict[tuple[int, int], object] = {}  # (budget, slot) -> event: its last attention is done
+        self._in_use: dict[int, tuple[tuple[int, int], _Record, Selection]] = {}  # layer -> (slot key, record, slot)
         self._repair_buffers: list[torch.Tensor] = []  # flat host buffers behind `repair` staging views
-        self._repair_free: torch.cuda.Event | None = None
+        self._repair_free = None
         self._last_repaired_step: int | None = None
         self._t0 = time.perf_counter()
         self._timeline: list[_Record] = []
@@ -140,7 +137,32 @@ class TransferSchedule:
         self.repairs = 0
         self.repaired_steps = 0
         self.repair_seconds = 0.0
+        # device clock (CUDA events; the simulated clock of `SimulatedStreams`; nothing on a CPU device): per step,
+        # a timing event where its first layer acquires, and each layer's (before, after) waiting for its copy
+        self._step_marks: list = []
+        self._stalls: list = []
+        self.device_wait_seconds = 0.0  # the compute stream's time spent waiting for selection copies
+        self.device_step_seconds = 0.0  # the compute stream's time from one step's first layer to the next's
         self.closed = False
+
+    def query_to_host(self, layer_idx: int, query: torch.Tensor, use: str = "prefetch"):
+        """Start copying `query` `(B, H_q, D)` (any float dtype, on the device) to a float32 host buffer of the
+        layer's (page-locked on CUDA; one per layer and `use`, reused every step), on the copy stream after the
+        compute stream's work so far. Returns `(buffer, ready)`: read the buffer after `ready.synchronize()`.
+        The launching thread does not wait."""
+        if not self.streams.asynchronous:  # a CPU device: the query is in host memory already
+            return query.detach().float(), self.streams.record("copy")
+        key = (layer_idx, use)
+        buffer = self._queries.get(key)
+        if buffer is None or buffer.shape != query.shape:
+            buffer = torch.empty(query.shape, dtype=torch.float32, pin_memory=self._pin)
+            self._queries[key] = buffer
+        source = query.detach()
+        if source.dtype != torch.float32:
+            source = source.float()
+        self.streams.wait(self.streams.record("compute"), "copy")
+        self.streams.copy(buffer, source)
+        return buffer, self.streams.record("copy")
 
     # --- host side -----------------------------------------------------------------------------------
     def submit(
@@ -154,7 +176,7 @@ class TransferSchedule:
         """
         staging = self._staging.get(layer_idx)
         if staging is None or tuple(staging.keys.shape) != tuple(shape) or staging.keys.dtype != dtype:
-            staging = Selection.empty(*shape, dtype=dtype, device="cpu", pin=self._cuda)
+            staging = Selection.empty(*shape, dtype=dtype, device="cpu", pin=self._pin)
             self._staging[layer_idx] = staging
         record = _Record(layer=layer_idx)
         free = self._staging_free.get(layer_idx)
@@ -192,13 +214,17 @@ class TransferSchedule:
             if ahead in self._pending and ahead not in self._issued:
                 self._issue_copy(ahead)
         view, record, ready = self._issued.pop(layer_idx)
-        if self._cuda:
-            torch.cuda.current_stream(self.device).wait_event(ready)
+        before = self.streams.timed("compute")
+        self.streams.wait(ready, "compute")  # the device waits for the copy, not the host
+        if before is not None:
+            if layer_idx == self.order[0]:
+                self._step_marks.append(before)
+            self._stalls.append((before, self.streams.timed("compute")))
         record.update(step=self.steps, attention_start=time.perf_counter() - self._t0)
-        self._in_use[layer_idx] = (record["slot"], record, view)
+        self._in_use[layer_idx] = (record["slot_key"], record, view)
         return view
 
-    def repair(self, layer_idx: int, job: Callable[[Selection], None], rows: torch.Tensor) -> None:
+    def repair(self, layer_idx: int, job: Callable[[Selection], None], rows: list[int]) -> None:
         """Replace some sequences' entries of `layer_idx`'s acquired selection now, on the calling thread.
 
         Miss repair: the rows whose prefetched selection was chosen with a mis-speculated token's query get the
@@ -209,7 +235,7 @@ class TransferSchedule:
 
         Args:
             job: fills a host staging `Selection` of the acquired selection's shape `(B, H_kv, k[, D])`, every row.
-            rows: `(B,)` bool on the host; True for the sequences whose entries are replaced.
+            rows: the sequences whose entries are replaced (indices into the batch, ascending).
 
         Raises:
             KeyError: if `layer_idx` has no acquired (unreleased) selection.
@@ -221,21 +247,20 @@ class TransferSchedule:
         start = time.perf_counter()
         job(staging)
         copy_start = time.perf_counter()
-        row_ids = rows.nonzero().flatten()
-        if len(row_ids) == len(rows):
-            view.copy_from(staging, non_blocking=self._cuda)
+        # on the compute stream: after the prefetched copy (the stream waited for it at `acquire`), before attention
+        if len(rows) == view.keys.shape[0]:
+            for dst, src in zip(_fields(view), _fields(staging)):
+                dst.copy_(src, non_blocking=self._pin)
             copied = staging.nbytes
         else:
-            device_rows = row_ids.to(self.device)
+            row_ids = torch.tensor(rows, dtype=torch.long)
+            device_rows = row_ids.to(self.device, non_blocking=self._pin)
             copied = 0
-            for dst, src in zip((view.indices, view.valid, view.keys, view.values),
-                                (staging.indices, staging.valid, staging.keys, staging.values)):
+            for dst, src in zip(_fields(view), _fields(staging)):
                 picked = src.index_select(0, row_ids)
-                dst.index_copy_(0, device_rows, picked.to(self.device, non_blocking=self._cuda))
+                dst.index_copy_(0, device_rows, picked.to(self.device, non_blocking=self._pin))
                 copied += picked.nbytes
-        if self._cuda:
-            self._repair_free = torch.cuda.Event()
-            self._repair_free.record(torch.cuda.current_stream(self.device))
+        self._repair_free = self.streams.record("compute")
         end = time.perf_counter()
         if record["step"] != self._last_repaired_step:
             self.repaired_steps += 1
@@ -246,7 +271,7 @@ class TransferSchedule:
         self.copy_seconds += end - copy_start
         self.wait_seconds += end - start
         self.bytes_copied += copied
-        record.update(repaired_rows=len(row_ids), repair_seconds=end - start, bytes=record.get("bytes", 0) + copied,
+        record.update(repaired_rows=len(rows), repair_seconds=end - start, bytes=record.get("bytes", 0) + copied,
                       waited=record.get("waited", 0.0) + end - start)
 
     def _repair_staging(self, like: Selection) -> Selection:
@@ -257,17 +282,14 @@ class TransferSchedule:
         numels = [int(torch.Size(shape).numel()) for shape in shapes]
         if not self._repair_buffers or any(b.numel() < n for b, n in zip(self._repair_buffers, numels)):
             self._repair_buffers = [
-                torch.empty(n, dtype=d, pin_memory=self._cuda) for n, d in zip(numels, dtypes)
+                torch.empty(n, dtype=d, pin_memory=self._pin) for n, d in zip(numels, dtypes)
             ]
         return Selection(*(b[:n].view(shape) for b, n, shape in zip(self._repair_buffers, numels, shapes)))
 
     def release(self, layer_idx: int) -> None:
         """`layer_idx`'s attention is queued on the compute stream; its slot may be reused after it."""
-        slot_idx, record, _ = self._in_use.pop(layer_idx)
-        if self._cuda:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            self._slot_free[slot_idx] = event
+        slot_key, record, _ = self._in_use.pop(layer_idx)
+        self._slot_free[slot_key] = self.streams.record("compute")
         record["attention_end"] = time.perf_counter() - self._t0
         if self.record_timeline:
             self._timeline.append(record)
@@ -276,62 +298,68 @@ class TransferSchedule:
         future, record = self._pending.pop(layer_idx)
         start = time.perf_counter()
         if future is not None:
-            future.result()  # re-raises a failed job here, on the compute side
+            future.result()  # re-raises a failed job here, on the compute side (a host thread, not the device)
         waited = time.perf_counter() - start
         self.wait_seconds += waited
         self.retrieval_seconds += record["retrieval_end"] - record["retrieval_start"]
         staging = self._staging[layer_idx]
-        slot_idx = self._next_slot
-        self._next_slot = (self._next_slot + 1) % self.layers_in_flight
-        view = self._slot(slot_idx, staging).narrow(staging.keys.shape[2])
+        slot_key, slot = self._slot(staging)
         copy_start = time.perf_counter()
-        ready = None
-        if self._cuda:
-            with torch.cuda.stream(self._copy_stream):
-                if self._slot_free[slot_idx] is not None:
-                    self._copy_stream.wait_event(self._slot_free[slot_idx])
-                view.copy_from(staging, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record(self._copy_stream)
-            self._staging_free[layer_idx] = ready
-        else:
-            view.copy_from(staging)
+        free = self._slot_free.get(slot_key)
+        if free is not None:
+            self.streams.wait(free, "copy")  # the slot's previous attention has read it
+        for dst, src in zip(_fields(slot), _fields(staging)):
+            self.streams.copy(dst, src)
+        ready = self.streams.record("copy")
+        self._staging_free[layer_idx] = ready
         copy_end = time.perf_counter()
         self.copy_seconds += copy_end - copy_start
-        if not self._cuda:
-            self.wait_seconds += copy_end - copy_start  # a CPU copy blocks the compute side
+        if not self.streams.asynchronous:
+            self.wait_seconds += copy_end - copy_start  # a copy on a CPU device blocks the compute side
         self.bytes_copied += staging.nbytes
         record.update(
-            waited=waited, copy_start=copy_start - self._t0, copy_end=copy_end - self._t0, slot=slot_idx,
-            bytes=staging.nbytes,
+            waited=waited, copy_start=copy_start - self._t0, copy_end=copy_end - self._t0, slot=slot_key[1],
+            slot_key=slot_key, bytes=staging.nbytes,
         )
-        self._issued[layer_idx] = (view, record, ready)
+        self._issued[layer_idx] = (slot, record, ready)
 
-    def _slot(self, slot_idx: int, like: Selection) -> Selection:
-        if not self._slots:
+    def _slot(self, like: Selection) -> tuple[tuple[int, int], Selection]:
+        """The next slot of the ring of `like`'s budget: `(B, H_kv, budget[, D])` contiguous device buffers, made on
+        first use and kept (fixed addresses) until `close`."""
+        budget = like.keys.shape[2]
+        ring = self._rings.get(budget)
+        if ring is None:
             batch, kv_heads, _, dim = like.keys.shape
-            self._slots = [
-                Selection.empty(batch, kv_heads, self.slot_tokens, dim, like.keys.dtype, self.device)
-                for _ in range(self.layers_in_flight)
-            ]
-        slot = self._slots[slot_idx]
-        if slot.keys.shape[2] < like.keys.shape[2] or slot.keys.shape[:2] != like.keys.shape[:2]:
-            raise ValueError(
-                f"A selection of shape {tuple(like.keys.shape)} does not fit the device slots "
-                f"{tuple(slot.keys.shape)}; every layer's budget must be <= slot_tokens and the batch fixed."
-            )
-        return slot
+            ring = [Selection.empty(batch, kv_heads, budget, dim, like.keys.dtype, self.device)
+                    for _ in range(self.layers_in_flight)]
+            self._rings[budget] = ring
+            self._ring_next[budget] = 0
+        index = self._ring_next[budget]
+        self._ring_next[budget] = (index + 1) % self.layers_in_flight
+        return (budget, index), ring[index]
 
     # --- accounting ----------------------------------------------------------------------------------
     @property
     def device_bytes(self) -> int:
-        """Bytes of the device slot pool (K, V, indices and validity): independent of context and layer count."""
-        return sum(s.nbytes for s in self._slots)
+        """Bytes of the device slots (K, V, indices and validity): `layers_in_flight` per distinct layer budget,
+        independent of context and layer count."""
+        return sum(slot.nbytes for ring in self._rings.values() for slot in ring)
 
     def overlap_ratio(self) -> float:
-        """`1 − waited / (retrieval + copy)`: 1 when retrieval and copies hide behind compute; nan before any."""
+        """With a device clock (CUDA, after `close`): `1 − device_wait / device_step`, the share of the compute
+        stream's step time not spent waiting for selection copies. Else `1 − waited / (retrieval + copy)`, the
+        share of host retrieval and copies hidden behind compute. 1 when everything overlaps; nan before any."""
+        if self.device_step_seconds > 0:
+            return max(0.0, 1.0 - self.device_wait_seconds / self.device_step_seconds)
         busy = self.retrieval_seconds + self.copy_seconds
         return float("nan") if busy == 0 else max(0.0, 1.0 - self.wait_seconds / busy)
+
+    def _read_device_clock(self) -> None:
+        """Sum the timing events into `device_wait_seconds` and `device_step_seconds` (the compute stream has passed
+        them: the caller read the last step's logits)."""
+        self.device_wait_seconds += sum(elapsed_ms(a, b) for a, b in self._stalls) / 1e3
+        self.device_step_seconds += sum(elapsed_ms(a, b) for a, b in zip(self._step_marks, self._step_marks[1:])) / 1e3
+        self._stalls, self._step_marks = [], []
 
     def timeline(self) -> list[dict]:
         """Per-(step, layer) records: `step`, `layer`, `slot`, `bytes`, `waited` (s) and `retrieval_start/end`,
@@ -351,24 +379,31 @@ class TransferSchedule:
         self._pending.clear()
         self._issued.clear()
         self._in_use.clear()
-        self._next_slot = 0
 
     def close(self) -> None:
-        """Stop the host thread, free the device slots and staging buffers. Idempotent; safe on any exit path."""
+        """Stop the host threads, drain the copy stream, free the device slots and staging buffers. Idempotent; safe
+        on any exit path."""
         if self.closed:
             return
         self.closed = True
         try:
             self.reset()
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True, cancel_futures=True)
-                self._executor = None
-            if self._cuda and self._copy_stream is not None:
-                self._copy_stream.synchronize()  # in-flight copies still read the staging buffers
-            self._slots = []
-            self._staging.clear()
-            self._staging_free.clear()
-            self._repair_buffers = []
-            self._repair_free = None
-            self._slot_free = [None] * self.layers_in_flight
+            try:
+                if self._executor is not None:
+                    self._executor.shutdown(wait=True, cancel_futures=True)
+                    self._executor = None
+            finally:
+                self.streams.close()  # in-flight copies still read the staging buffers
+                self._read_device_clock()
+                self._rings.clear()
+                self._staging.clear()
+                self._staging_free.clear()
+                self._queries.clear()
+                self._repair_buffers = []
+                self._repair_free = None
+                self._slot_free.clear()
+
+
+def _fields(selection: Selection) -> tuple[torch.Tensor, ...]:
+    return selection.indices, selection.valid, selection.keys, selection.values

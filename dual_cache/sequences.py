@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from .streams import to_device
+
 
 class SequenceState:
     """Per-sequence facts shared (read-only) by the layers of one cache.
@@ -110,6 +112,7 @@ class SequenceState:
             positions = (n - 1) - torch.remainder(n - 1 - slots, ring_size)  # latest position p < n in slot
             valid = (positions >= n - q - window) & (positions >= 0) & (positions[None, :] > self.sink_last[:, None])
             valid &= self.is_real(positions.clamp(min=0)[None, :])
-            cached = (positions[None, None, :].to(device), valid[:, None, :].to(device))
+            # through page-locked memory without a host wait (a copy from pageable memory waits for the stream)
+            cached = (to_device(positions[None, None, :], device), to_device(valid[:, None, :], device))
             self._ring = {key: cached}
         return cached

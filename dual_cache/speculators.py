@@ -5,30 +5,33 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
 
 class Speculator:
-    """Base: `tokens_per_forward` is 2 (real + speculated token) or 1 (real token only)."""
+    """Base: `tokens_per_forward` is 2 (real + speculated token) or 1 (real token only). Speculators run on the host,
+    on values the decode loop has read back already (the sampled tokens, the argmax of the speculated slot's
+    logits), so proposing never waits for the device."""
 
     tokens_per_forward = 2
 
-    def propose(
-        self, input_ids: torch.Tensor, spec_logits: torch.Tensor | None, last_hit: torch.Tensor | None
-    ) -> torch.Tensor:
+    def propose(self, sequences: Sequence[torch.Tensor], chained: list[int] | None,
+                last_hit: list[bool] | None) -> list[int]:
         """Speculated next token per sequence.
 
         Args:
-            input_ids: `(B, T)` int64 sequences including the newest real token.
-            spec_logits: `(B, V)` logits at the speculated slot of the last forward (they predict the token
-                after the one now being proposed, given the previous speculated token), or None on the first
-                decode step.
-            last_hit: `(B,)` bool, whether the previous speculated token equalled the real one (then
-                `spec_logits` were computed on the true context), or None on the first decode step.
+            sequences: per sequence, its `(T_i,)` int64 host token ids including the newest real token.
+            chained: per sequence, the argmax of the speculated slot's logits of the last forward (the model's guess
+                for the token after the one now being proposed, given the previous speculated token); None on the
+                first decode step.
+            last_hit: per sequence, whether the previous speculated token equalled the real one (then `chained`
+                was computed on the true context); None on the first decode step.
 
         Returns:
-            `(B,)` int64 token ids on `input_ids.device`.
+            One token id per sequence.
         """
         raise NotImplementedError
 
@@ -44,37 +47,37 @@ class SelfSpeculator(Speculator):
     def __init__(self, ngram_size: int = 3) -> None:
         self.lookup = PromptLookupSpeculator(ngram_size)
 
-    def propose(
-        self, input_ids: torch.Tensor, spec_logits: torch.Tensor | None, last_hit: torch.Tensor | None
-    ) -> torch.Tensor:
-        if spec_logits is None or last_hit is None:
-            return self.lookup.propose(input_ids, spec_logits, None)
-        chained = spec_logits.argmax(dim=-1).to(input_ids.device)
-        missed = (~last_hit).nonzero().flatten().tolist()
+    def propose(self, sequences: Sequence[torch.Tensor], chained: list[int] | None,
+                last_hit: list[bool] | None) -> list[int]:
+        if chained is None or last_hit is None:
+            return self.lookup.propose(sequences, chained, None)
+        proposals = list(chained)
+        missed = [i for i, hit in enumerate(last_hit) if not hit]
         if missed:
-            chained[missed] = self.lookup.propose(input_ids[missed], spec_logits[missed], None)
-        return chained
+            looked = self.lookup.propose([sequences[i] for i in missed], [chained[i] for i in missed], None)
+            for i, token in zip(missed, looked):
+                proposals[i] = token
+        return proposals
 
 
 class PromptLookupSpeculator(Speculator):
-    """Prompt lookup (n-gram match in the sequence so far), one row at a time; where no n-gram matches, the
-    model's own argmax (or, on the first step, the newest token)."""
+    """Prompt lookup (n-gram match in the sequence so far; transformers' `PromptLookupCandidateGenerator`), one row
+    at a time; where no n-gram matches, the model's own guess (`chained`) or, on the first step, the newest token."""
 
     def __init__(self, ngram_size: int = 3) -> None:
         self.generator = PromptLookupCandidateGenerator(
             num_output_tokens=1, max_matching_ngram_size=ngram_size, max_length=2**62
         )
 
-    def propose(
-        self, input_ids: torch.Tensor, spec_logits: torch.Tensor | None, last_hit: torch.Tensor | None
-    ) -> torch.Tensor:
-        fallback = input_ids[:, -1] if spec_logits is None else spec_logits.argmax(dim=-1).to(input_ids.device)
-        proposals = fallback.clone()
-        length = input_ids.shape[1]
-        for row in range(input_ids.shape[0]):
-            candidates, _ = self.generator.get_candidates(input_ids[row : row + 1])
-            if candidates.shape[1] > length:
-                proposals[row] = candidates[0, length]
+    def propose(self, sequences: Sequence[torch.Tensor], chained: list[int] | None,
+                last_hit: list[bool] | None) -> list[int]:
+        proposals = []
+        for i, sequence in enumerate(sequences):
+            candidates, _ = self.generator.get_candidates(sequence[None])
+            if candidates.shape[1] > sequence.shape[0]:
+                proposals.append(int(candidates[0, sequence.shape[0]]))
+            else:
+                proposals.append(int(sequence[-1]) if chained is None else chained[i])
         return proposals
 
 
@@ -83,10 +86,9 @@ class NoSpeculator(Speculator):
 
     tokens_per_forward = 1
 
-    def propose(
-        self, input_ids: torch.Tensor, spec_logits: torch.Tensor | None, last_hit: torch.Tensor | None
-    ) -> torch.Tensor:
-        return input_ids[:, -1]
+    def propose(self, sequences: Sequence[torch.Tensor], chained: list[int] | None,
+                last_hit: list[bool] | None) -> list[int]:
+        return [int(sequence[-1]) for sequence in sequences]
 
 
 def make_speculator(name: str, ngram_size: int) -> Speculator:

@@ -21,6 +21,11 @@
 # $OUT/latency-32k. Knobs (environment): MISS (forced miss rate, default the embedded model's measured one),
 # HOST_GIB (host memory for the KV, default 100), CAP_GIB (device cap, default 24), TOTAL_S (default 465), STAGES
 # (which of 1a 1b 2 3a 3b 5 4 to run, default all: a second call can finish what a first one left).
+#
+# DRY_RUN=1 runs every stage's command line end to end on this machine's CPU with tiny shapes (the tiny random
+# model, 256-512-token contexts, one-step repeats) in the current Python environment, without installing anything:
+# the script cannot rot between the rare runs on the CUDA test machine (tests/test_device_run.py, a slow test). The
+# Triton kernel's stages need CUDA: 1a's tests skip and 1b says so and exits 2.
 set -u
 MISS=${MISS:-0.26}
 HOST_GIB=${HOST_GIB:-100}
@@ -51,40 +56,53 @@ stage() {  # stage ID NAME COMMAND...
     echo "== $id. $name: exit $? @ ${SECONDS}s"
 }
 
-nvidia-smi -L
-free -g | head -2
-echo "== install (.wheels + dual-cache, --no-deps)"
-ls .wheels/*.whl || { echo "no .wheels/: run 'make device-wheels' and carry .wheels"; exit 2; }
-SITE=/tmp/dual-site
-rm -rf "$SITE"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --find-links .wheels --target "$SITE" \
-    .wheels/transformers-*.whl .wheels/regex-*.whl . || exit 2
-export PYTHONPATH=$SITE
-python3 -c "import torch, transformers, triton, dual_cache
+PY=${PYTHON:-python3}
+if [ -n "${DRY_RUN:-}" ]; then
+    echo "== dry run on $(nproc) CPU cores with tiny shapes (no install)"
+    DEVICE=(--device cpu --model tiny); CHECK=(--device cpu --tiny)
+    CTX32=256; CTX128=512; CHUNK=128; NEW=4; WARM=1; CELL_S=20
+    RETRIEVAL=(--contexts 2048 --batches 1 --pools 1 --repeats 1 --layers 2 --distinct-layers 1 --heads 4 --kv-heads 2
+               --head-dim 64)
+    KERNEL=(--budgets 256 --batches 1 --rep-ms 1)
+else
+    nvidia-smi -L
+    free -g | head -2
+    echo "== install (.wheels + dual-cache, --no-deps)"
+    ls .wheels/*.whl || { echo "no .wheels/: run 'make device-wheels' and carry .wheels"; exit 2; }
+    SITE=/tmp/dual-site
+    rm -rf "$SITE"
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --find-links .wheels --target "$SITE" \
+        .wheels/transformers-*.whl .wheels/regex-*.whl . || exit 2
+    export PYTHONPATH=$SITE
+    DEVICE=(--device cuda --model llama8b); CHECK=()
+    CTX32=32768; CTX128=131072; CHUNK=4096; NEW=6; WARM=2; CELL_S=60
+    RETRIEVAL=(--contexts 32768 --batches 1 8 --pools 1 16 --repeats 5)
+    KERNEL=(--budgets 256 1024 --batches 1 8 32 --rep-ms 25)
+fi
+$PY -c "import torch, transformers, triton, dual_cache
 print('torch', torch.__version__, '| transformers', transformers.__version__, '| triton', triton.__version__,
       '| default selector', dual_cache.DualDecoderConfig().selector, '| host cores', __import__('os').cpu_count())" \
     || exit 2
 echo "== native selection engine (g++)"
-python3 -m dual_cache.engine
+$PY -m dual_cache.engine
 
-LLAMA=(python3 -m dual_cache.eval.throughput.bench --device cuda --model llama8b --budgets 256 --no-plots --no-cells-jsonl
-       --keep-going)
-CAPPED=("${LLAMA[@]}" --device-budget-gib "$CAP_GIB" --host-budget-gib "$HOST_GIB" --batches 1 --new-tokens 6
-        --warmup-steps 2 --forced-miss-rate "$MISS"
+LLAMA=($PY -m dual_cache.eval.throughput.bench "${DEVICE[@]}" --budgets 256 --no-plots --no-cells-jsonl --keep-going)
+CAPPED=("${LLAMA[@]}" --device-budget-gib "$CAP_GIB" --host-budget-gib "$HOST_GIB" --batches 1 --new-tokens "$NEW"
+        --warmup-steps "$WARM" --forced-miss-rate "$MISS"
         --methods dense dual-no-repair quest offloaded dual-forced-miss dual-self)
 
-stage 1a "kernel tests on CUDA" python3 -m pytest -q -p no:cacheprovider tests/test_kernel_triton.py \
+stage 1a "kernel tests on CUDA" $PY -m pytest -q -p no:cacheprovider tests/test_kernel_triton.py \
     -k "cuda and not without_a_gpu"
-stage 1b "kernel vs reference, us per layer call" python3 -m dual_cache.kernels.bench_kernel --dtype bf16 \
-    --budgets 256 1024 --batches 1 8 32 --rep-ms 25
-stage 2 "correctness on CUDA" python3 -m dual_cache.eval.gpu_check --out "$OUT"
-stage 3a "max batch at ${CAP_GIB} GiB, 32K" "${CAPPED[@]}" --contexts 32768 --prefill-chunk-size 4096 \
-    --max-cell-seconds 60 --out "$OUT/cap24-32k"
-stage 3b "max batch at ${CAP_GIB} GiB, 128K" "${CAPPED[@]}" --contexts 131072 --prefill-chunk-size 8192 \
-    --max-cell-seconds 45 --out "$OUT/cap24-128k"
+stage 1b "kernel vs reference, us per layer call" $PY -m dual_cache.kernels.bench_kernel --dtype bf16 "${KERNEL[@]}"
+stage 2 "correctness on CUDA" $PY -m dual_cache.eval.gpu_check "${CHECK[@]}" --out "$OUT"
+stage 3a "max batch at ${CAP_GIB} GiB, 32K" "${CAPPED[@]}" --contexts "$CTX32" --prefill-chunk-size "$CHUNK" \
+    --max-cell-seconds "$CELL_S" --out "$OUT/cap24-32k"
+stage 3b "max batch at ${CAP_GIB} GiB, 128K" "${CAPPED[@]}" --contexts "$CTX128" --prefill-chunk-size "$((2 * CHUNK))" \
+    --max-cell-seconds "$((CELL_S * 3 / 4))" --out "$OUT/cap24-128k"
 stage 5 "host selection alone at 32K: torch-exact, exact and lowbit through the engine" \
-    python3 -m dual_cache.eval.selection.bench_retrieval --contexts 32768 --batches 1 8 --pools 1 16 --repeats 5 \
+    $PY -m dual_cache.eval.selection.bench_retrieval "${RETRIEVAL[@]}" \
     --selectors torch-exact exact lowbit --out "$OUT/host-retrieval-32k"
-stage 4 "issue 14: 32K decode, batch 1 and 8" "${LLAMA[@]}" --contexts 32768 --batches 1 8 --new-tokens 12 \
-    --warmup-steps 3 --methods dense dual-no-repair dual-self --out "$OUT/latency-32k"
+stage 4 "issue 14: 32K decode, batch 1 and 8" "${LLAMA[@]}" --contexts "$CTX32" --batches 1 8 \
+    --new-tokens $((2 * NEW)) \
+    --warmup-steps $((WARM + 1)) --methods dense dual-no-repair dual-self --out "$OUT/latency-32k"
 echo "== done @ ${SECONDS}s"

@@ -3,7 +3,9 @@
 On a small real-shaped model (random weights, Llama layout with head_dim 128, GQA 4:1, fp32, TF32 off), with the
 default selector (`DualDecoderConfig().selector`): on the device, the full-budget dual cache equals dense greedy
 decoding; the pipelined path (retriever thread, copy stream, lookahead) equals the synchronous reference path,
-tokens and selections; and the device's first-step selections agree with the CPU reference's. Prints PASS / FAIL
+tokens and selections; the device's first-step selections agree with the CPU reference's; and steady-state decode
+steps run under `torch.cuda.set_sync_debug_mode("error")` without raising (no host synchronization but the loop's
+one read per step). Prints PASS / FAIL
 lines and writes `gpu_check.json` to `--out`; the exit status is 1 when a check fails. Seconds on one CUDA GPU.
 Timing lives in the benchmark (`dual-decoder bench --device cuda`); `eval/device_run.sh` runs both on the CUDA test
 machine. `--device cpu --tiny` runs the checks at toy sizes (used by the test suite).
@@ -114,7 +116,59 @@ def check_correctness(device: torch.device, tiny: bool) -> list[dict]:
         "check": "first-step selections agree with the CPU reference (>= 99% of entries)",
         "passed": agreement >= 0.99, "detail": f"mean overlap {agreement:.4f} over {len(overlaps)} (layer, row, head)",
     })
+    results.append(check_no_sync_in_steady_state(model, ids, partial))
     return results
+
+
+def check_no_sync_in_steady_state(model, ids, options: dict, steps: int = 8) -> dict:
+    """Decode steps after the first two, with no miss repair (the pipeline alone) and with miss repair on a forced
+    all-hit pattern (`ForcedMissCache(miss_rate=0)`), must not synchronize the host with the device except the
+    loop's one deliberate read per step: on CUDA under `torch.cuda.set_sync_debug_mode("error")` (any other
+    synchronizing call raises), on a CPU device counted by `SyncCounter` (at most 2 per step)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    from ..sync_points import SyncCounter
+    from .throughput.forced_miss import ForcedMissCache
+
+    cuda = ids.device.type == "cuda"
+    details, passed = [], True
+    for name, make in (("no repair", lambda: DualDecoderCache(model.config, **options, miss_repair=False,
+                                                              retrieval_threads=2)),
+                       ("repair, all hits", lambda: ForcedMissCache(model.config, miss_rate=0.0, **options,
+                                                                    retrieval_threads=2))):
+        counter = SyncCounter()
+
+        class SteadyState(StoppingCriteria):  # called once per step, before the step's read and next forward
+            calls = 0
+
+            def __call__(self, input_ids, scores, **kwargs):
+                SteadyState.calls += 1
+                if SteadyState.calls == 3:  # the first two steps set up the pipeline (and repair every row)
+                    if cuda:
+                        torch.cuda.set_sync_debug_mode("error")
+                    else:
+                        counter.__enter__()
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+        try:
+            model.generate(ids, max_new_tokens=steps + 2, do_sample=False, cache=make(),
+                           stopping_criteria=StoppingCriteriaList([SteadyState()]))
+            if cuda:
+                details.append(f"{name}: {steps} steps, no synchronization raised")
+            else:
+                per_step = counter.total / (SteadyState.calls - 2)  # reads from the third step's on
+                passed &= per_step <= 2
+                details.append(f"{name}: {per_step:.1f} per step ({dict(counter.by_op)})")
+        except RuntimeError as error:
+            passed = False
+            details.append(f"{name}: {error}")
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode(0)
+            elif SteadyState.calls >= 3:
+                counter.__exit__(None, None, None)
+    return {"check": "no host synchronization inside a steady-state decode step", "passed": passed,
+            "detail": "; ".join(details)}
 
 
 def main(argv: list[str] | None = None) -> int:

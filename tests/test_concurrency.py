@@ -79,20 +79,19 @@ def test_decode_crops_never_touch_the_index_while_a_job_extends_it(switch_often)
     selector = SELECTORS["lowbit"](DualDecoderConfig(selector="lowbit"), 16, store, "cpu")
     first_real = torch.tensor([0, 5])
     window = 1  # the smallest window the config allows: the tightest case
-    done = threading.Event()
     ends = range(2 * GROUP, 400 - window)
+    submitted = threading.Semaphore(0)
 
     def jobs():
         for end in ends:
-            selector.extend(end, first_real)
-        done.set()
+            submitted.acquire()  # the step that submits this job (selectable end `end`) has begun
+            selector.extend(end, first_real)  # runs while the loop crops that step's speculated token
 
     worker = threading.Thread(target=jobs)
     worker.start()
-    committed = 2 * GROUP + window
-    while not done.is_set():
-        selector.truncate(committed)  # crop(-1): back to the committed tokens, which the index never reaches
-        committed = min(committed + 1, 400)
+    for end in ends:
+        submitted.release()
+        selector.truncate(end + window)  # crop(-1): back to the committed tokens, which the index never reaches
     worker.join()
     assert selector.n_groups == [(ends[-1] - first) // GROUP for first in (0, 5)]
 

@@ -54,3 +54,18 @@ def test_repair_drift_is_stored_as_a_float():
     assert DualDecoderConfig(repair_drift=np.float32(0.5)).repair_drift == 0.5
     assert type(DualDecoderConfig(repair_drift=1).repair_drift) is float
     assert DualDecoderConfig(repair_drift=2**64).repair_drift == float(2**64)  # compared as float32 later
+
+
+def test_retrieval_threads_default_to_the_cores_this_process_may_use(monkeypatch):
+    import os
+
+    import torch
+
+    from dual_cache.config import DualDecoderConfig, usable_cores
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 2, 5}, raising=False)
+    assert usable_cores() == 3
+    config = DualDecoderConfig()
+    assert config.threads_for(torch.device("cuda")) == 3  # the affinity, not os.cpu_count()
+    assert config.threads_for(torch.device("cpu")) == 0
+    assert DualDecoderConfig(retrieval_threads=5).threads_for(torch.device("cuda")) == 5

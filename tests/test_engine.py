@@ -307,11 +307,11 @@ def test_select_into_fills_the_staging_buffer_as_select_then_gather(name):
     selector = SELECTORS[name](config, 24, store, "cpu")
     query = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(8))
     mask = torch.ones(2, 650, dtype=torch.bool)
-    candidates = Candidates(mask, torch.zeros(2, dtype=torch.long), first_sequence=1)  # sequences 1 and 2
+    candidates = Candidates(mask, torch.zeros(2, dtype=torch.long), sequences=(2, 0))  # sequences 2 and 0
     out = tuple(torch.empty(2, 2, 24, 16, dtype=torch.bfloat16) for _ in range(2))
     indices, valid = selector.select_into(query, candidates, 0.25, out)
     expected_indices, expected_valid = selector.select(query, candidates, 0.25)
-    keys, values = store.gather(expected_indices, first_sequence=1)
+    keys, values = store.gather(expected_indices, rows=[2, 0])
     assert torch.equal(indices, expected_indices) and torch.equal(valid, expected_valid)
     assert torch.equal(out[0], keys) and torch.equal(out[1], values)
     with pytest.raises(ValueError, match="out"):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dual_cache.eval.throughput.forced_miss import ForcedMissCache
+from dual_cache.repair import StepRows
 from tests.conftest import tiny_llama
 
 OPTIONS = {"budget": 12, "n_sink": 4, "window": 8, "early_layers": 0, "retrieval_threads": 0}
@@ -14,19 +15,19 @@ OPTIONS = {"budget": 12, "n_sink": 4, "window": 8, "early_layers": 0, "retrieval
 def test_split_has_the_rate_among_live_rows_and_passes_the_first_step_through():
     model = tiny_llama(seed=3)
     cache = ForcedMissCache(model.config, miss_rate=0.3, seed=7, **OPTIONS)
-    live = torch.ones(20_000, dtype=torch.bool)
-    live[::4] = False  # finished sequences are never repaired
-    cache.begin_step(live.clone(), None)  # first step: every live row
-    assert torch.equal(cache.step_rows.repair, live) and cache.step_rows.check is None
-    hit = live & (torch.arange(live.numel()) % 2 == 0)
-    cache.begin_step(live & ~hit, hit)
-    assert not cache.step_rows.repair[~live].any()
-    assert cache.step_rows.repair[live].float().mean().item() == pytest.approx(0.3, abs=0.02)
-    assert cache.step_rows.check is None  # forced hits are not drift-checked
-    assert cache.forced_rows == int(live.sum())
+    batch = 20_000
+    live = tuple(i for i in range(batch) if i % 4)  # finished sequences are never repaired
+    cache.begin_step(StepRows(live, (), live, batch, first=True))  # first step: every live row
+    assert cache.step_rows.repair == live
+    hit = [i % 2 == 0 for i in range(batch)]
+    cache.begin_step(StepRows(tuple(i for i in live if not hit[i]), tuple(i for i in live if hit[i]), live, batch))
+    assert set(cache.step_rows.repair) <= set(live)
+    assert len(cache.step_rows.repair) / len(live) == pytest.approx(0.3, abs=0.02)
+    assert cache.step_rows.check == ()  # forced hits are not drift-checked
+    assert cache.forced_rows == len(live)
     again = ForcedMissCache(model.config, miss_rate=0.3, seed=7, **OPTIONS)
-    again.begin_step(live & ~hit, hit)
-    assert torch.equal(again.step_rows.repair, cache.step_rows.repair)  # seeded
+    again.begin_step(StepRows((), live, live, batch))
+    assert again.step_rows.repair == cache.step_rows.repair  # seeded, whatever the real split
     cache.close()
     again.close()
 

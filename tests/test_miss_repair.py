@@ -16,7 +16,8 @@ def always_miss(monkeypatch):
     """Every speculated token is NEVER, which generation forbids: every step is a miss."""
     from dual_cache import speculators
 
-    monkeypatch.setattr(speculators.SelfSpeculator, "propose", lambda self, ids, logits, hit: torch.full_like(ids[:, -1], NEVER))
+    monkeypatch.setattr(speculators.SelfSpeculator, "propose",
+                        lambda self, sequences, chained, hit: [NEVER] * len(sequences))
 
 
 @pytest.mark.parametrize("threads", [0, 1])
@@ -64,7 +65,7 @@ def test_full_budget_with_repair_matches_dense_and_skips_the_repair():
 
 
 def test_schedule_repair_replaces_only_the_missed_rows():
-    schedule = TransferSchedule("cpu", layer_order=[0], slot_tokens=4, layers_in_flight=1, lookahead=0, threads=0)
+    schedule = TransferSchedule("cpu", layer_order=[0], layers_in_flight=1, lookahead=0, threads=0)
     shape = (3, 2, 4, 5)
     generator = torch.Generator().manual_seed(3)
     prefetched = Selection(torch.randint(0, 50, shape[:3], generator=generator), torch.ones(shape[:3], dtype=torch.bool),
@@ -73,7 +74,7 @@ def test_schedule_repair_replaces_only_the_missed_rows():
                          torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
     schedule.submit(0, lambda staging: staging.copy_from(prefetched), shape, torch.float32)
     view = schedule.acquire(0)
-    schedule.repair(0, lambda staging: staging.copy_from(repaired), torch.tensor([False, True, False]))
+    schedule.repair(0, lambda staging: staging.copy_from(repaired), [1])
     for used, before, after in zip((view.indices, view.valid, view.keys, view.values),
                                    (prefetched.indices, prefetched.valid, prefetched.keys, prefetched.values),
                                    (repaired.indices, repaired.valid, repaired.keys, repaired.values)):
@@ -83,7 +84,7 @@ def test_schedule_repair_replaces_only_the_missed_rows():
     assert schedule.repairs == 1 and schedule.repaired_steps == 1
     assert schedule.bytes_copied == prefetched.nbytes + repaired.nbytes // 3
     with pytest.raises(KeyError):
-        schedule.repair(0, lambda staging: None, torch.tensor([True, True, True]))
+        schedule.repair(0, lambda staging: None, [0, 1, 2])
     schedule.close()
 
 
@@ -168,8 +169,8 @@ def test_cli_repair_drift_option(tmp_path, capsys):
 
 @pytest.mark.parametrize("selector", [{"selector": "exact"}, {"selector": "lowbit", "lowbit_factor": 2}])
 def test_repairing_some_sequences_scores_only_them_with_the_same_result(monkeypatch, selector):
-    """A repair of a strict subset of the batch scores those sequences one by one; the selections they attend to
-    (and the tokens) equal those of scoring the whole batch and copying the same rows."""
+    """A repair of a strict subset of the batch scores only those sequences, in one engine call; the selections they
+    attend to (and the tokens) equal those of scoring the whole batch and copying the same rows."""
     from dual_cache.layer import DualLayer
 
     model = six_layer_llama(seed=17)
@@ -188,17 +189,17 @@ def test_repairing_some_sequences_scores_only_them_with_the_same_result(monkeypa
 
     original_repair = DualLayer.repair_selection
 
-    def spy(self, query, committed, rows, drifted=None):
-        subsets.append(int(rows.sum()))
-        return original_repair(self, query, committed, rows, drifted)
+    def spy(self, query, committed, rows, batch, drifted=()):
+        subsets.append(len(rows))
+        return original_repair(self, query, committed, rows, batch, drifted)
 
     monkeypatch.setattr(DualLayer, "repair_selection", spy)
     rows_out, rows_sel = run()
     assert any(0 < n < 3 for n in subsets)  # some repairs covered part of the batch
 
-    def whole_batch(self, query, committed, rows, drifted=None):  # the reference: every sequence, repaired rows copied
-        exact = frozenset() if drifted is None else frozenset(drifted.nonzero().flatten().tolist())
-        self.schedule.repair(self.layer_idx, self._selection_job(query, committed, None, exact), rows)
+    def whole_batch(self, query, committed, rows, batch, drifted=()):  # the reference: every sequence, rows copied
+        job = self._selection_job(query, committed, None, frozenset(drifted), use="repair")
+        self.schedule.repair(self.layer_idx, job, list(rows))
 
     monkeypatch.setattr(DualLayer, "repair_selection", whole_batch)
     full_out, full_sel = run()

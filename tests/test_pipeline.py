@@ -219,7 +219,7 @@ def test_gpu_check_script_correctness_part_runs_on_cpu():
     from dual_cache.eval.gpu_check import check_correctness
 
     results = check_correctness(torch.device("cpu"), tiny=True)
-    assert len(results) == 3 and all(r["passed"] for r in results), results
+    assert len(results) == 4 and all(r["passed"] for r in results), results
 
 
 @pytest.fixture

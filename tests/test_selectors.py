@@ -88,7 +88,7 @@ def test_one_sequence_selects_as_in_the_whole_batch_and_padding_never_moves_its_
     mask = torch.arange(hi)[None, :] >= starts[:, None] + 2
     whole = selector.select(query, Candidates(mask, starts), 0.3)
     for row in range(2):
-        one = selector.select(query[row : row + 1], Candidates(mask, starts).row(row), 0.3)
+        one = selector.select(query[row : row + 1], Candidates(mask, starts).subset([row]), 0.3)
         assert torch.equal(one[1], whole[1][row : row + 1])
         assert torch.equal(one[0][one[1]], whole[0][row : row + 1][one[1]])
     # the padded row's selection equals that of the same tokens alone, shifted by the padding

@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from ..sync_points import uncounted
 from . import native, reference
 from .codes import GROUP, padded_dim
 
@@ -22,13 +23,15 @@ KEY_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 @dataclass(frozen=True)
 class IndexView:
-    """The 2-bit key index of `b` sequences as the engine reads it (`codes.py`).
+    """The 2-bit key index of the store's sequences as the engine reads it (`codes.py`), for the `b` sequences a
+    call selects for (`select`'s `rows`).
 
     Attributes:
-        packed: `(b, H_kv, capacity, 16 · D_q)` uint8, contiguous per (sequence, KV head) (groups in order).
-        params: `(b, H_kv, capacity, 2, D_q)` bfloat16 per-channel minimum and step of each group.
-        group_first: `(b,)` int64 first position of each sequence's group 0.
-        n_groups: `(b,)` int64 complete groups indexed per sequence.
+        packed: `(B, H_kv, capacity, 16 · D_q)` uint8, contiguous per (sequence, KV head) (groups in order): every
+            sequence of the store.
+        params: `(B, H_kv, capacity, 2, D_q)` bfloat16 per-channel minimum and step of each group.
+        group_first: `(b,)` int64 first position of each selected sequence's group 0.
+        n_groups: `(b,)` int64 complete groups indexed per selected sequence.
     """
 
     packed: torch.Tensor
@@ -45,7 +48,8 @@ class IndexView:
 def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor], budget: int, scaling: float,
            index: IndexView | None = None, shortlist: int = 0, quads: int | None = None,
            threads: int | None = None, values: Sequence[torch.Tensor] | None = None,
-           out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           out: tuple[torch.Tensor, torch.Tensor] | None = None,
+           rows: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-`budget` positions per (sequence, KV head) by group attention mass, optionally among a shortlist, and
     optionally the gather of the selected keys and values into `out` in the same call.
 
@@ -57,7 +61,7 @@ def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor]
     Args:
         query: `(b, H_q, D)` float32 host queries (after RoPE); `H_q` a multiple of `H_kv`.
         mask: `(b, end)` bool host, True at selectable positions.
-        keys: the host store's key chunks covering positions `[0, ≥ end)` in order, each `(b or 1, H_kv, n_i, D)`
+        keys: the host store's key chunks covering positions `[0, ≥ end)` in order, each `(B or 1, H_kv, n_i, D)`
             float32 / bfloat16 / float16 with contiguous rows (a chunk of batch 1 is shared by every sequence).
         budget: positions per (sequence, KV head); scaling: the softmax scale.
         index: the sequences' 2-bit key index, or None.
@@ -68,6 +72,8 @@ def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor]
         out: `(keys_out, values_out)`, each `(b, H_kv, budget, D)` contiguous in the keys' dtype: filled with the
             rows at the returned indices (an invalid slot gets position 0's rows, as `HostKVStore.gather` of the
             indices would).
+        rows: the store's sequences (rows of the chunks and of the index) that the `b` queries belong to, in
+            order; None: `0 … b - 1`. A subset costs only its own work (the repair of some sequences of a batch).
 
     Returns:
         `(indices, valid)`, both `(b, H_kv, budget)`: int64 positions, ascending where valid (0 elsewhere), bool.
@@ -75,7 +81,17 @@ def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor]
     Raises:
         ValueError: on inconsistent shapes or dtypes (before any work).
     """
+    with uncounted():  # host tensors only (the decode step's host waits are counted where they happen)
+        return _select(query, mask, keys, budget, scaling, index, shortlist, quads, threads, values, out, rows)
+
+
+def _select(query, mask, keys, budget, scaling, index, shortlist, quads, threads, values, out, rows):
     batch, q_heads, dim = query.shape
+    rows = list(range(batch)) if rows is None else [int(r) for r in rows]
+    stored = max(chunk.shape[0] for chunk in keys)
+    if len(rows) != batch or any(not 0 <= r < stored for r in rows) and stored > 1:
+        raise ValueError(f"select needs one store row (< {stored}) per query row, got rows {rows} for {batch} "
+                         "queries.")
     kv_heads = keys[0].shape[1]
     if (values is None) != (out is None):
         raise ValueError("select gathers with both `values` and `out`, or neither.")
@@ -101,13 +117,16 @@ def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor]
         view = (index.packed, index.params, index.group_first, index.usable(end))
     library = native.library()
     if library is None or budget == 0 or end == 0:
-        indices, valid = reference.select(query, mask, keys, budget, scaling, view, shortlist, quads)
+        picked = [chunk if chunk.shape[0] == 1 else chunk[rows] for chunk in keys]
+        if view is not None:
+            view = (view[0][rows], view[1][rows], view[2], view[3])
+        indices, valid = reference.select(query, mask, picked, budget, scaling, view, shortlist, quads)
         if out is not None:
-            reference.gather(keys, indices, out[0])
-            reference.gather(values, indices, out[1])
+            reference.gather(picked, indices, out[0])
+            reference.gather([chunk if chunk.shape[0] == 1 else chunk[rows] for chunk in values], indices, out[1])
         return indices, valid
     return _native_select(library, query.contiguous(), mask.contiguous(), keys, budget, scaling, view, shortlist,
-                          torch.get_num_threads() if threads is None else threads, quads, values, out)
+                          torch.get_num_threads() if threads is None else threads, quads, values, out, rows)
 
 
 def _check_gather(keys, values, out, shape) -> None:
@@ -127,19 +146,20 @@ def _int64s(values: list[int]):
     return (ctypes.c_int64 * len(values))(*values)
 
 
-def _segment_rows(chunks, batch: int, kv_heads: int) -> list[list[int]]:
-    """Per chunk, the address of each (sequence, KV head)'s first row (a chunk of batch 1 serves every sequence)."""
+def _segment_rows(chunks, rows: list[int], kv_heads: int) -> list[list[int]]:
+    """Per chunk, the address of each selected (sequence, KV head)'s first row (a chunk of batch 1 serves every
+    sequence); `rows` are the store's sequences."""
     element = chunks[0].element_size()
-    rows = []
+    addresses = []
     for chunk in chunks:
         base, s0, s1 = chunk.data_ptr(), chunk.stride(0) * element, chunk.stride(1) * element
         shared = chunk.shape[0] == 1
-        rows.append([base + (0 if shared else b * s0) + h * s1 for b in range(batch) for h in range(kv_heads)])
-    return rows
+        addresses.append([base + (0 if shared else r * s0) + h * s1 for r in rows for h in range(kv_heads)])
+    return addresses
 
 
 def _native_select(library, query, mask, keys, budget, scaling, view, shortlist, threads, quads=None, values=None,
-                   out=None):
+                   out=None, rows=None):
     batch, q_heads, dim = query.shape
     kv_heads = keys[0].shape[1]
     starts, lengths = [], []
@@ -148,12 +168,13 @@ def _native_select(library, query, mask, keys, budget, scaling, view, shortlist,
         starts.append(start)
         lengths.append(chunk.shape[2])
         start += chunk.shape[2]
+    rows = list(range(batch)) if rows is None else rows
     tasks = range(batch * kv_heads)
-    rows = _segment_rows(keys, batch, kv_heads)
-    seg_ptr = _int64s([row[task] for task in tasks for row in rows])  # (B·H_kv, chunks)
+    addresses = _segment_rows(keys, rows, kv_heads)
+    seg_ptr = _int64s([row[task] for task in tasks for row in addresses])  # (b·H_kv, chunks)
     value_ptr = out_keys = out_values = None
     if values is not None:
-        value_rows = _segment_rows(values, batch, kv_heads)
+        value_rows = _segment_rows(values, rows, kv_heads)
         value_ptr = _int64s([row[task] for task in tasks for row in value_rows])
         out_keys, out_values = out[0].data_ptr(), out[1].data_ptr()
     indices = torch.empty(batch, kv_heads, budget, dtype=torch.long)
@@ -165,8 +186,10 @@ def _native_select(library, query, mask, keys, budget, scaling, view, shortlist,
         packed, params, first, groups = view
         if not (packed.is_contiguous() and params.is_contiguous()):
             raise ValueError("The index's packed codes and parameters must be contiguous tensors.")
-        codes_ptr = _int64s([packed.data_ptr() + t * packed.stride(1) for t in range(batch * kv_heads)])
-        params_ptr = _int64s([params.data_ptr() + t * params.stride(1) * 2 for t in range(batch * kv_heads)])
+        codes_ptr = _int64s([packed.data_ptr() + r * packed.stride(0) + h * packed.stride(1)
+                             for r in rows for h in range(kv_heads)])
+        params_ptr = _int64s([params.data_ptr() + (r * params.stride(0) + h * params.stride(1)) * 2
+                              for r in rows for h in range(kv_heads)])
         group_first, n_groups = _int64s(first.tolist()), _int64s(groups.tolist())
     status = library.dc_select(
         batch, kv_heads, q_heads // kv_heads, dim, KEY_TYPES[keys[0].dtype], query.data_ptr(), scaling,

@@ -9,12 +9,13 @@ page metadata on the device — builds it during prefill, extends it as tokens a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
 from .. import engine
 from ..host_store import HostKVStore
+from ..sync_points import count_host_wait, uncounted
 from ..schedule import Selection
 
 HostClaim = Callable[[int], None]  # called with a byte count before host memory is allocated; may raise
@@ -22,21 +23,21 @@ HostClaim = Callable[[int], None]  # called with a byte count before host memory
 
 @dataclass(frozen=True)
 class Candidates:
-    """The positions a selection may choose, for `B` consecutive sequences of a layer's host store.
+    """The positions a selection may choose, for `b` sequences of a layer's host store.
 
     Attributes:
-        mask: `(B, end)` bool host tensor, True at real (non-pad), non-sink positions below `end` (the start of the
+        mask: `(b, end)` bool host tensor, True at real (non-pad), non-sink positions below `end` (the start of the
             local window).
-        first_real: `(B,)` int64 host tensor, each sequence's first real (non-pad) position; selectors that group
+        first_real: `(b,)` int64 host tensor, each sequence's first real (non-pad) position; selectors that group
             positions (the 2-bit index's groups) start their groups there, so left padding never changes
             what a sequence selects.
-        first_sequence: the rows are the store's sequences `first_sequence, …, first_sequence + B - 1` (a repair
-            of some sequences of the batch).
+        sequences: the store's sequences these rows are, in order (a repair of some sequences of the batch); None:
+            the store's first `b` sequences.
     """
 
     mask: torch.Tensor
     first_real: torch.Tensor
-    first_sequence: int = 0
+    sequences: tuple[int, ...] | None = None
 
     @property
     def end(self) -> int:
@@ -44,14 +45,14 @@ class Candidates:
         return self.mask.shape[1]
 
     @property
-    def rows(self) -> slice:
-        """The store's sequences these candidates describe."""
-        return slice(self.first_sequence, self.first_sequence + self.mask.shape[0])
+    def ids(self) -> list[int]:
+        """The store's sequences these candidates describe, in order."""
+        return list(range(self.mask.shape[0])) if self.sequences is None else list(self.sequences)
 
-    def row(self, index: int) -> "Candidates":
-        """The candidates of the `index`-th of these sequences alone."""
-        return Candidates(self.mask[index : index + 1], self.first_real[index : index + 1],
-                          self.first_sequence + index)
+    def subset(self, rows: list[int]) -> "Candidates":
+        """The candidates of these rows (indices into this object's rows) alone."""
+        ids = self.ids
+        return Candidates(self.mask[rows], self.first_real[rows], tuple(ids[r] for r in rows))
 
 
 class Selector:
@@ -114,14 +115,14 @@ class Selector:
         cannot change the selection and is skipped)."""
         return candidate_count <= self.budget
 
-    def extend(self, length: int, first_real: torch.Tensor, first_sequence: int = 0) -> None:
+    def extend(self, length: int, first_real: torch.Tensor, sequences: Sequence[int] | None = None) -> None:
         """Index the committed positions `[0, length)` of some sequences (called per prefill chunk; decode steps
         extend the index from `select`, up to the selectable range).
 
         Args:
             length: committed tokens per sequence (tokens); every position below it is final.
-            first_real: `(b,)` int64 host, the first real position of the sequences `first_sequence, …` (pads
-                before it are never indexed).
+            first_real: `(b,)` int64 host, the first real position of the sequences `sequences` (None: the store's
+                first `b`; pads before it are never indexed).
         """
 
     def adopt(self, sources: list[tuple["Selector", int]], length: int, first_real: torch.Tensor) -> None:
@@ -167,7 +168,7 @@ class Selector:
         tensors of the store's dtype; an invalid slot gets the rows of its index, as `HostKVStore.gather`).
         Selectors scored by the native engine gather in the same call."""
         indices, valid = self.select(query, candidates, scaling)
-        self.store.gather(indices, out=out, first_sequence=candidates.first_sequence)
+        self.store.gather(indices, out=out, rows=candidates.ids)
         return indices, valid
 
     def job(self, query: torch.Tensor, ready: Any, candidates: Candidates, scaling: float,
@@ -180,8 +181,9 @@ class Selector:
             candidates: the selectable positions of every sequence of the store (`end` may be 0: nothing to
                 select; every slot is then invalid).
             scaling: the layer's softmax scale.
-            rows: None selects for every sequence; a list selects for those sequences only, one at a time (a
-                sequence's selection depends on it alone; a repair), leaving the others' slots invalid at 0.
+            rows: None selects for every sequence; a list selects for those sequences only (a repair), in one call
+                per kind of selection (a sequence's selection depends on it alone), leaving the others' slots
+                invalid at 0.
             exact: the sequences (indices into the batch) selected by `select_exact` instead of this selector's
                 own policy: drift repairs (`repair_drift`).
 
@@ -193,7 +195,12 @@ class Selector:
 
         def run(staging: Selection) -> None:
             if ready is not None:
+                count_host_wait("selection query")  # counted on the launching thread only: the synchronous path
                 ready.synchronize()
+            with uncounted():  # host tensors only from here on
+                _select(staging)
+
+        def _select(staging: Selection) -> None:
             if candidates.end == 0:  # every slot invalid; its K/V zeroed too, as a slot's bytes reach attention
                 for tensor in (staging.indices, staging.valid, staging.keys, staging.values):
                     tensor.zero_()
@@ -207,12 +214,17 @@ class Selector:
                 staging.indices.copy_(indices)
                 staging.valid.copy_(valid)
                 return
-            indices, valid = staging.indices.zero_(), staging.valid.zero_()
-            for row in range(batch) if rows is None else rows:
-                one = slice(row, row + 1)
-                select = self.select_exact if row in exact else self.select
-                indices[one], valid[one] = select(query[one], candidates.row(row), scaling)
-            store.gather(staging.indices, out=(staging.keys, staging.values))
+            staging.indices.zero_()
+            staging.valid.zero_()
+            chosen = list(range(batch)) if rows is None else list(rows)
+            for select, ids in ((self.select_into, [r for r in chosen if r not in exact]),
+                                (self.select_exact, [r for r in chosen if r in exact])):
+                if ids:
+                    shape = (len(ids), *staging.keys.shape[1:])
+                    out = (torch.empty(shape, dtype=staging.keys.dtype), torch.empty(shape, dtype=staging.keys.dtype))
+                    indices, valid = select(query[ids], candidates.subset(ids), scaling, out)
+                    staging.indices[ids], staging.valid[ids] = indices, valid
+                    staging.keys[ids], staging.values[ids] = out
 
         return run
 
@@ -222,11 +234,11 @@ class Selector:
         (`dual_cache.engine.select` without an index), whatever this selector's policy; arguments and result as
         `select`, and with `out` the gather of `select_into` in the same engine call. Raises `ValueError` for
         rows outside the store's batch."""
-        self.store.first_row(candidates.first_sequence, query.shape[0])
-        keys = self.store.key_chunks(candidates.end, candidates.rows)
-        values = None if out is None else self.store.value_chunks(candidates.end, candidates.rows)
+        self.store.own_rows(candidates.ids, query.shape[0])  # ValueError for rows outside the batch
+        keys = self.store.key_chunks(candidates.end)
+        values = None if out is None else self.store.value_chunks(candidates.end)
         return engine.select(query.float().contiguous(), candidates.mask, keys, self.budget, scaling,
-                             values=values, out=out)
+                             values=values, out=out, rows=candidates.ids)
 
     @property
     def host_bytes(self) -> int:

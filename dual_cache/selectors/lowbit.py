@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import threading
+from typing import Sequence
 
 import torch
 
@@ -106,17 +107,17 @@ class LowBitSelector(Selector):
             start = stop
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
-    def extend(self, length: int, first_real: torch.Tensor, first_sequence: int = 0) -> None:
+    def extend(self, length: int, first_real: torch.Tensor, sequences: Sequence[int] | None = None) -> None:
         """Quantize every complete group of positions below `length` not indexed yet (per sequence, from its first
         real position). Holds the index lock (`truncate`)."""
         with self._lock:
-            self._extend(length, first_real, first_sequence)
+            self._extend(length, first_real, sequences)
 
-    def _extend(self, length: int, first_real: torch.Tensor, first_sequence: int) -> None:
+    def _extend(self, length: int, first_real: torch.Tensor, sequences: Sequence[int] | None) -> None:
         kv_heads, dim = self.store.shape_prefix[1], self.store.head_dim
         wanted = {}
         for offset, real in enumerate(first_real.tolist()):
-            row = first_sequence + offset
+            row = offset if sequences is None else sequences[offset]
             if self.group_first[row] < 0 and real < length:
                 self.group_first[row] = real
             if self.group_first[row] >= 0:
@@ -206,18 +207,18 @@ class LowBitSelector(Selector):
         return self._select(query, candidates, scaling, out)
 
     def _select(self, query, candidates, scaling, out):
-        rows = candidates.rows
-        self.store.first_row(candidates.first_sequence, query.shape[0])  # ValueError for rows outside the batch
-        self.extend(candidates.end, candidates.first_real, candidates.first_sequence)
-        keys = self.store.key_chunks(candidates.end, rows)
-        values = None if out is None else self.store.value_chunks(candidates.end, rows)
+        rows = candidates.ids
+        self.store.own_rows(rows, query.shape[0])  # ValueError for rows outside the batch
+        self.extend(candidates.end, candidates.first_real, rows)
+        keys = self.store.key_chunks(candidates.end)
+        values = None if out is None else self.store.value_chunks(candidates.end)
         index = None
         if self.packed is not None:
-            first = torch.tensor(self.group_first[rows], dtype=torch.long)
-            groups = torch.tensor(self.n_groups[rows], dtype=torch.long)
-            index = engine.IndexView(self.packed[rows], self.params[rows], first.clamp(min=0), groups)
+            first = torch.tensor([self.group_first[r] for r in rows], dtype=torch.long)
+            groups = torch.tensor([self.n_groups[r] for r in rows], dtype=torch.long)
+            index = engine.IndexView(self.packed, self.params, first.clamp(min=0), groups)
         return engine.select(query.float().contiguous(), candidates.mask, keys, self.budget, scaling, index,
-                             self.shortlisted, self.quads, values=values, out=out)
+                             self.shortlisted, self.quads, values=values, out=out, rows=rows)
 
     @property
     def host_bytes(self) -> int:

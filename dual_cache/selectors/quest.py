@@ -64,7 +64,7 @@ class QuestSelector(Selector):
     def select(self, query: torch.Tensor, candidates: Candidates, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         self.extend(self.store.length, candidates.first_real)
         pages = -(-candidates.end // self.config.block_size)
-        rows = candidates.rows
+        rows = candidates.ids
         indices, valid = select_pages(
             query.to(self.device), self.page_min[rows, :, :pages], self.page_max[rows, :, :pages],
             candidates.mask.to(self.device), self.budget, self.config.block_size,

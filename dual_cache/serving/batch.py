@@ -19,9 +19,9 @@ import torch
 from ..cache import DualDecoderCache
 from ..compat import check_model_serves_dual
 from ..config import DualDecoderConfig
-from ..decoding import cache_kwarg_name
 from ..regroup import regroup
-from ..speculators import make_speculator
+from ..step import DualStep, cache_kwarg_name
+from ..streams import to_device, to_host
 from .rows import Row
 
 
@@ -42,10 +42,10 @@ class DualBatch:
         self.model, self.config, self.pad_id, self.eos_ids, self.decode = model, config, pad_id, eos_ids, decode
         self.cache_arg = cache_kwarg_name(model)
         self.device = next(model.parameters()).device
-        self.speculator = make_speculator(config.speculator, config.ngram_size)
+        self.dual_step = DualStep(model, config)
         self.cache: DualDecoderCache | None = None
         self.rows: list[Row] = []
-        self.mask: torch.Tensor | None = None  # (B, n) int64: 1 at each row's real positions of the batch axis
+        self.mask: torch.Tensor | None = None  # (B, n) int64 on the device: 1 at each row's real positions
         self.spec_hits = self.spec_steps = 0  # speculated tokens equal to the real one / speculated, every step
 
     def _forward(self, cache: DualDecoderCache, tokens: torch.Tensor, mask: torch.Tensor | None,
@@ -139,7 +139,7 @@ class DualBatch:
         if self.cache is None:
             self.mask = None
             return left, failed
-        self.mask = self.cache.sequences.valid.long()
+        self.mask = to_device(self.cache.sequences.valid.long(), self.device)
         axis = self.cache.get_seq_length()
         tokens = axis + max(r.handle.options.max_tokens - len(r.handle.token_ids) for r in self.rows) + 2
         self.cache.begin_request(len(self.rows), tokens, self.model.dtype, self.device, self.mask, axis)
@@ -155,41 +155,31 @@ class DualBatch:
         return out
 
     def step(self) -> None:
-        """One dual decode step of every row: feed each row's pending token (and its speculated one), then pick,
-        stream and stop-check each live row's next token."""
-        cache, rows = self.cache, self.rows
-        live = torch.tensor([not row.done for row in rows])
-        two = self.speculator.tokens_per_forward == 2
-        pending = torch.tensor([row.pending if not row.done else self.pad_id for row in rows])
-        positions = torch.tensor([row.length - 1 for row in rows])[:, None]
+        """One dual decode step of every row (`step.DualStep`): feed each row's pending token (and its speculated
+        one), then pick, stream and stop-check each live row's next token on the host (one read of the step's
+        logits)."""
+        cache, rows, step = self.cache, self.rows, self.dual_step
+        live = [not row.done for row in rows]
+        real = [row.pending if on else self.pad_id for row, on in zip(rows, live)]
+        if step.tokens_per_forward == 2:
+            for row in rows:
+                row.speculated = self._propose(row) if not row.done else self.pad_id
+        speculated = [row.speculated for row in rows] if step.tokens_per_forward == 2 else None
+        hit = [bool(row.last_hit) for row in rows]  # a row on its first step (None) is re-selected as a miss is
         with torch.inference_mode():
-            if two:
-                first = torch.tensor([row.last_hit is None for row in rows])
-                hit = torch.tensor([bool(row.last_hit) for row in rows])
-                if self.config.miss_repair:
-                    cache.begin_step(repair=live & (first | ~hit), check=live & ~first & hit)
-                for row in rows:
-                    row.speculated = self._propose(row) if not row.done else self.pad_id
-                tokens = torch.stack([pending, torch.tensor([row.speculated for row in rows])], dim=1)
-                positions = positions + torch.arange(2)
-            else:
-                tokens = pending[:, None]
             self.mask = torch.cat([self.mask, self.mask.new_ones(len(rows), 1)], dim=1)
-            step_mask = torch.cat([self.mask, self.mask.new_ones(len(rows), tokens.shape[1] - 1)], dim=1)
-            outputs = self._forward(cache, tokens, step_mask, positions, tokens.shape[1])
-            if two:
-                cache.crop(-1)  # only the real token's K/V are kept
-                spec_logits = outputs.logits[:, 1].to("cpu", torch.float32)
-            step_logits = outputs.logits[:, 0].to("cpu", torch.float32)
-            del outputs
+            step_mask = torch.cat([self.mask, self.mask.new_ones(len(rows), step.tokens_per_forward - 1)], dim=1)
+            step_logits, spec_logits = step.forward(cache, real, speculated, [row.length - 1 for row in rows],
+                                                    step_mask, live, hit)
+            logits = to_host(step_logits if spec_logits is None else torch.stack([step_logits, spec_logits], 1))
         hits = steps = 0
         for i, row in enumerate(rows):
             if row.done:
                 continue
-            token = row.pick(step_logits[i])
-            if two:
+            token = row.pick(logits[i] if spec_logits is None else logits[i, 0])
+            if speculated is not None:
                 row.last_hit = token == row.speculated
-                row.spec_logits = spec_logits[i]
+                row.guess = int(logits[i, 1].argmax())
                 hits, steps = hits + int(row.last_hit), steps + 1
             row.emit(token, self.decode, self.eos_ids)
         cache.record_speculation(hits, steps)
@@ -197,10 +187,10 @@ class DualBatch:
         self.spec_steps += steps
 
     def _propose(self, row: Row) -> int:
-        """The row's speculated next token (the cache's speculator, on the row's own sequence)."""
-        hit = None if row.last_hit is None else torch.tensor([row.last_hit])
-        logits = None if row.spec_logits is None else row.spec_logits[None]
-        return int(self.speculator.propose(row.tokens[None], logits, hit)[0])
+        """The row's speculated next token (`DualStep.propose` on the row's own sequence)."""
+        first = row.guess is None
+        return self.dual_step.propose([row.tokens], None if first else [row.guess],
+                                      None if first else [bool(row.last_hit)])[0]
 
     def memory(self, caches: list[DualDecoderCache]) -> dict[str, int]:
         """Device and host bytes held now by the batch's cache and `caches` (the prefilling rows')."""

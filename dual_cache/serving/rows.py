@@ -30,8 +30,9 @@ class Row:
         prefix_end: where its prefill pauses so the prefix cache copies its prompt's whole blocks (0: it does not).
         ids: `(P + max_tokens + 1,)` int64 buffer of the prompt + generated tokens (the first `length`); the last one
             (`pending`) is not fed yet. Preallocated, so a decode step copies no sequence.
-        spec_logits: `(V,)` float32 logits at its speculated slot in the last forward; None before its first decode
-            step (the speculator then starts from prompt lookup, as `generate()` does on its first step).
+        guess: the argmax of its speculated slot's logits in the last forward (the model's guess for the token after
+            `speculated`); None before its first decode step (the speculator then starts from prompt lookup, as
+            `generate()` does on its first step).
         speculated: the speculated token fed with `pending` in the last forward, or None.
         last_hit: whether that speculated token equalled the real one; None before its first decode step.
         generator: its own random generator when it samples (seeded by `GenerationOptions.seed` when given).
@@ -44,7 +45,7 @@ class Row:
     prefilled: int = 0
     prefix_end: int = 0
     length: int = 0
-    spec_logits: torch.Tensor | None = None
+    guess: int | None = None
     speculated: int | None = None
     last_hit: bool | None = None
     generator: torch.Generator | None = None

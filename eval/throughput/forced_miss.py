@@ -17,9 +17,10 @@ outcomes. Tokens are not what the forced pattern would produce on a real model: 
 
 from __future__ import annotations
 
-import torch
+import random
 
 from ...cache import DualDecoderCache
+from ...repair import StepRows
 
 
 class ForcedMissCache(DualDecoderCache):
@@ -29,7 +30,7 @@ class ForcedMissCache(DualDecoderCache):
         config, dual_config, max_cache_len, **options: as `DualDecoderCache`; `miss_repair` must be on.
         miss_rate: probability in [0, 1] that a live sequence counts as missed at a decode step (0: never
             repaired after the first step; 1: every step repaired).
-        seed: seed of the draws (one `(B,)` uniform draw per step on the host).
+        seed: seed of the draws (one uniform draw per sequence and step, on the host).
 
     Raises:
         ValueError: for a rate outside [0, 1] or a configuration with `miss_repair=False`.
@@ -43,22 +44,20 @@ class ForcedMissCache(DualDecoderCache):
         if not self.dual_config.miss_repair:
             raise ValueError("ForcedMissCache forces miss repairs; build it with miss_repair=True.")
         self.miss_rate = float(miss_rate)
-        self._draws = torch.Generator().manual_seed(seed)
+        self._draws = random.Random(seed)
         self.forced_misses = 0  # (step, sequence) pairs marked missed after the first step
         self.forced_rows = 0  # live (step, sequence) pairs after the first step
 
-    def begin_step(self, repair: torch.Tensor | None = None, check: torch.Tensor | None = None) -> None:
+    def begin_step(self, rows: StepRows) -> None:
         """Replace the step's missed / hit split by a random one with `miss_rate` misses among the live rows.
 
-        Args: as `DualDecoderCache.begin_step`; `repair | check` are the live sequences.
+        Args: as `DualDecoderCache.begin_step`.
         """
-        if check is None:  # first decode step: every live sequence is repaired, as in the real loop
-            super().begin_step(repair, None)
+        if rows.first:  # first decode step: every live sequence is repaired, as in the real loop
+            super().begin_step(rows)
             return
-        live = check.detach().to("cpu", torch.bool)
-        if repair is not None:
-            live = live | repair.detach().to("cpu", torch.bool)
-        forced = live & (torch.rand(live.shape, generator=self._draws) < self.miss_rate)
-        self.forced_misses += int(forced.sum())
-        self.forced_rows += int(live.sum())
-        super().begin_step(forced, None)
+        draws = [self._draws.random() for _ in range(rows.batch)]
+        forced = tuple(i for i in rows.live if draws[i] < self.miss_rate)
+        self.forced_misses += len(forced)
+        self.forced_rows += len(rows.live)
+        super().begin_step(StepRows(forced, (), rows.live, rows.batch))

@@ -1,0 +1,72 @@
+"""The decode step's host synchronization points (issue 41): a steady-state step waits for the device at most twice,
+whatever the number of layers. Counted on CPU with `SyncCounter` (scalar reads, `bool(tensor)`, `nonzero`, blocking
+reads through `streams.to_host`, host waits on events) on the launching thread; retrieval runs on worker threads,
+as on CUDA. Steady state: every speculated token hits (forced: `ForcedMissCache(miss_rate=0)`), or no miss repair."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dual_cache.eval.throughput.forced_miss import ForcedMissCache
+from dual_cache.sync_points import SyncCounter
+
+OPTIONS = {"budget": 16, "window": 8, "early_layers": 0, "retrieval_threads": 1}
+
+
+def _model(layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         eos_token_id=None, pad_token_id=0)
+    return LlamaForCausalLM(config).eval()
+
+
+def per_step(model, make_cache, short: int = 4, long: int = 12) -> dict[str, float]:
+    """Synchronization points per decode step by operation: the difference between a `long` and a `short`
+    generation (the prefill, the first step and the request's set-up cancel out), per extra step."""
+    ids = torch.randint(3, 90, (2, 200), generator=torch.Generator().manual_seed(1))
+    counts = []
+    for new in (short, long):
+        cache = make_cache()
+        with SyncCounter() as counter:
+            model.generate(ids, max_new_tokens=new, do_sample=False, **cache)
+        counts.append(counter.by_op)
+    ops = set(counts[0]) | set(counts[1])
+    return {op: (counts[1][op] - counts[0][op]) / (long - short) for op in ops if counts[1][op] != counts[0][op]}
+
+
+@pytest.mark.parametrize("repair", ["no-repair", "repair-all-hits"])
+def test_a_steady_state_step_waits_at_most_twice_whatever_the_layer_count(repair):
+    totals = {}
+    for layers in (4, 32):
+        model = _model(layers)
+        if repair == "no-repair":
+            def make():
+                return {"cache_implementation": "dual", "cache_config": {**OPTIONS, "miss_repair": False}}
+        else:
+            def make():
+                return {"cache": ForcedMissCache(model.config, miss_rate=0.0, **OPTIONS)}
+        counts = per_step(model, make)
+        totals[layers] = sum(counts.values())
+        assert totals[layers] <= 2, (layers, counts)
+    assert totals[4] == totals[32]
+
+
+def test_the_default_cache_is_counted_alike():
+    """The reference: transformers' own loop reads one flag per step (`unfinished.max() == 0`)."""
+    model = _model(4)
+    assert per_step(model, dict) == {"bool(Tensor)": 1.0}
+
+
+def test_a_repaired_step_waits_per_layer():
+    """What steady state avoids: a step that repairs a miss waits for the host in each layer that repairs (the real
+    token's query must reach the host before that layer's attention)."""
+    counts = {}
+    for layers in (4, 8):
+        model = _model(layers)
+        counts[layers] = sum(per_step(model, lambda: {"cache": ForcedMissCache(
+            model.config, miss_rate=1.0, **OPTIONS)}).values())
+    assert counts[8] > counts[4] >= 4
