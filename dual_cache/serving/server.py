@@ -17,7 +17,11 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
-from fastapi import FastAPI, Request
+from ..extras import require
+
+require("serve", "dual_cache.serving.server (`dual-decoder serve`)")
+
+from fastapi import FastAPI, Request  # noqa: E402 - after the check that names the extra
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field

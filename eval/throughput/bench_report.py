@@ -8,6 +8,7 @@ import os
 from typing import Callable
 
 from .bench_grid import RATIO_BASELINES, method_label
+from ...extras import require
 from ..outputs import mib
 
 MIB = 1024 ** 2
@@ -140,12 +141,13 @@ def render_markdown(result) -> str:
 def plot_all(result, out_dir: str, log: Callable[[str], None] = print) -> dict[str, str]:
     """Write `throughput_vs_batch.png` and `device_bytes_vs_context.png`; `{name: path}` (empty without matplotlib)."""
     try:
+        require("eval", "the plots")
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError as error:
-        log(f"plots skipped: matplotlib is not importable ({error}); pip install matplotlib")
+    except ImportError as error:  # MissingExtraError names the extra
+        log(f"plots skipped: {error}")
         return {}
     cells = [r for r in result.cells if r["error"] is None]
     paths = {}
