@@ -218,8 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"local window kept on the device, tokens (default: {base.window})")
         p.add_argument("--speculator", default=given, choices=["self", "ngram", "none"],
                        help="where the speculated token comes from: the model's own guess (a second token "
-                            "decoded beside the real one), an n-gram of the context, or none (select with the real "
-                            f"token's query, synchronously) (default: {base.speculator})")
+                            "decoded beside the real one), an n-gram of the context, or none (one token per forward, "
+                            "no speculation: each step uses the entries the previous real token's query chose, "
+                            f"prefetched a step early) (default: {base.speculator})")
         p.add_argument("--selector", default=given, choices=list(SELECTORS),
                        help="host selection (dual_cache/selectors/): exact top-k over every key (native engine), "
                             "lowbit (2-bit key index + exact rescoring), oracle (the real token's own top-k, "

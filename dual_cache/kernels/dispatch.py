@@ -6,7 +6,8 @@ arguments of `sparse_decode_attention_reference` (see `dual_cache.kernels.refere
 - `"auto"`: the Triton kernel when the query is on a CUDA device, `triton` imports and the kernel supports the
   input (head_dim in [16, 256], fp16/bf16/fp32, one dtype, one device: the kernel's own validation decides, by
   raising `UnsupportedShapeError`, so the hot path validates once); the torch reference otherwise (CPU
-  tensors, head_dim 8, no triton, ...). `resolve_backend` says which one a call would take.
+  tensors, head_dim 8, no triton, ...), with one `RuntimeWarning` per process when a CUDA query falls back because
+  triton is missing or older than `MIN_TRITON`. `resolve_backend` says which one a call would take.
 - `"torch"`: always the reference.
 - `"triton"`: always the kernel; raises `RuntimeError` when triton cannot be imported and
   `UnsupportedShapeError` (a `ValueError`) for inputs the kernel refuses. CPU tensors run through Triton's
@@ -19,6 +20,7 @@ triton.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Sequence
 
 import torch
@@ -46,6 +48,14 @@ def triton_import_error() -> str | None:
     if version < MIN_TRITON:
         return f"triton {triton.__version__} is older than {'.'.join(map(str, MIN_TRITON))}, which the kernel needs"
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_no_triton(reason: str) -> None:
+    """Once per process and reason: CUDA decode attention runs the torch reference because triton is unusable."""
+    warnings.warn(f"dual-cache: decode attention on CUDA runs the torch reference (same results, slower) because "
+                  f"the Triton kernel is unavailable ({reason}); install triton>={'.'.join(map(str, MIN_TRITON))} "
+                  "(docs/usage.md, Install).", RuntimeWarning, stacklevel=3)
 
 
 def resolve_backend(query: torch.Tensor, segments: Sequence[KVSegment], backend: str = "auto") -> str:
@@ -78,6 +88,8 @@ def sparse_decode_attention(
     """
     if backend == "auto":
         if query.device.type != "cuda" or triton_import_error() is not None:
+            if query.device.type == "cuda":
+                _warn_no_triton(triton_import_error())
             return sparse_decode_attention_reference(query, segments, query_positions, scaling, softcap)
         from .triton_decode import UnsupportedShapeError, sparse_decode_attention_triton
 
