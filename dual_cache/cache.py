@@ -51,7 +51,8 @@ class DualDecoderCache(Cache):
     Raises:
         ValueError: for bad option values, or layer types this cache cannot serve (anything other than
             full and sliding-window attention). A sliding window at least `max_cache_len` long is served as full
-            attention (`fit_layers` decides again once the request's length is known).
+            attention (`fit_layers` decides again once the request's length is known, and a conversation continued
+            past the window slides from then on).
     """
 
     def __init__(
@@ -112,10 +113,45 @@ class DualDecoderCache(Cache):
         return layers
 
     def fit_layers(self, tokens: int) -> None:
-        """Before anything is stored: serve as full attention the sliding-window layers whose window covers a
-        request of `tokens` tokens per sequence (`layer_types.resolve_layer_types`)."""
-        if self.get_seq_length() == 0 and resolve_layer_types(self.text_config, tokens) != self.layer_types:
-            self.layers = self._build_layers(tokens)
+        """Serve each layer as the model defines it for sequences of `tokens` tokens (prompt + new + speculated).
+
+        A sliding-window layer whose window covers `tokens` attends to every token, so it is served as full
+        attention (host store + selection; `layer_types.resolve_layer_types`). Before anything is stored the
+        layers are simply rebuilt for `tokens`. Once tokens are stored (a continued conversation, a resumed
+        session, a shared prefix, a regrouped batch), a sliding-window layer served as full attention for an
+        earlier, shorter request becomes a transformers `DynamicSlidingWindowLayer` holding the last
+        `sliding_window - 1` stored tokens on the device (read from its host store, which is then freed), as the
+        default cache holds them; a layer already sliding stays sliding (it is exact at any length).
+        """
+        wanted = resolve_layer_types(self.text_config, tokens)
+        if self.get_seq_length() == 0:
+            if wanted != self.layer_types:
+                self.layers = self._build_layers(tokens)
+            return
+        for layer_idx, layer_type in enumerate(wanted):
+            layer = self.layers[layer_idx]
+            if layer_type == SLIDING_ATTENTION and isinstance(layer, DualLayer):
+                self.layers[layer_idx] = self._slide(layer)
+                self.layer_types[layer_idx] = SLIDING_ATTENTION
+
+    def _slide(self, layer: DualLayer) -> DynamicSlidingWindowLayer:
+        """A sliding-window layer holding what `layer` (a full-attention-served sliding layer, between requests)
+        stored that its window keeps: the last `sliding_window - 1` positions, on the layer's device. Frees
+        `layer`'s host store and index and returns their bytes to the host-memory allowance."""
+        window = self.text_config.sliding_window
+        sliding = DynamicSlidingWindowLayer(sliding_window=window)
+        sliding.activate_past_recording()  # keeps the speculated token until crop(-1) removes it
+        if layer.host is not None and layer.host.length:
+            layer.host.wait_written()
+            stored = layer.host.length
+            keys, values = layer.host.read(max(0, stored - (window - 1)), stored)
+            keys, values = keys.to(layer.device, copy=True), values.to(layer.device, copy=True)
+            sliding.lazy_initialization(keys[:, :, :0], values[:, :, :0])
+            sliding.keys, sliding.values, sliding.cumulative_length = keys, values, stored
+        freed = layer.host_bytes
+        layer.free()
+        self.host_memory.release(freed)
+        return sliding
 
     @property
     def dual_layers(self) -> list[DualLayer]:
@@ -189,6 +225,7 @@ class DualDecoderCache(Cache):
                     + ("." if held != 1 else f": selector={self.dual_config.selector!r} cannot share one stored "
                        f"sequence across a batch (use one of {[n for n, c in SELECTORS.items() if c.shares_prefix]}).")
                 )
+            self.fit_layers(tokens)  # a sliding layer served as full attention slides once the window is passed
             # only the new positions are each sequence's own: the stored ones are kept (shared when held == 1)
             reserve = input_tokens
             needed = self.host_bytes_needed(batch_size, tokens - stored, dtype, prompt_tokens=input_tokens - stored)
@@ -252,12 +289,11 @@ class DualDecoderCache(Cache):
         Raises:
             RuntimeError: if no prompt was stored.
         """
-        dual = self.dual_layers
-        if not dual or dual[0].host is None:
+        n = self.get_seq_length()
+        if n == 0 or self.sequences.valid is None:
             raise RuntimeError("end_prefill() called before any prompt tokens were stored in the cache.")
-        batch, n = dual[0].host.shape_prefix[0], dual[0].host.length
-        self.sequences.finish_prompt(batch, n)
-        for layer in dual:
+        self.sequences.finish_prompt(self.sequences.valid.shape[0], n)
+        for layer in self.dual_layers:
             layer.start_decoding()
 
     def begin_step(self, repair: torch.Tensor | None = None, check: torch.Tensor | None = None) -> None:
@@ -362,8 +398,8 @@ class DualDecoderCache(Cache):
         """
         if self.schedule is not None:  # a request was running
             stored = self.get_seq_length()
-            if stored and self.sequences.first_real is None and self.dual_layers:  # prefilled, never decoded
-                self.sequences.finish_prompt(self.dual_layers[0].host.shape_prefix[0], stored)
+            if stored and self.sequences.first_real is None:  # prefilled, never decoded (or no full layer)
+                self.sequences.finish_prompt(self.sequences.valid.shape[0], stored)
             self.token_ids = None if sequences is None or sequences.shape[1] < stored else \
                 sequences[:, :stored].to("cpu", copy=True)
             self._decoding_device_bytes = self._device_bytes()
@@ -385,6 +421,35 @@ class DualDecoderCache(Cache):
         if layer_idx >= len(self.layers):
             return 0
         return self.layers[layer_idx].get_seq_length()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last `-tokens_to_remove` tokens of every sequence (transformers' `Cache.crop`: a negative count;
+        0 lets sliding-window layers drop what fell out of their window). The decode loop crops each step's
+        speculated token; between requests a user may crop to continue the conversation from an earlier point.
+
+        Raises:
+            ValueError: for a positive count; between requests, for a crop that would remove a sequence's sink
+                tokens or leading pads (fixed by the first request), or that a sliding-window layer past its window
+                cannot serve (it keeps only the last `sliding_window - 1` tokens, so the tokens its window would
+                need again are gone): use a fresh cache for those.
+        """
+        if tokens_to_remove < 0 and self.schedule is None and self.get_seq_length():
+            remaining = self.get_seq_length() + tokens_to_remove
+            fixed = -1 if self.sequences.sink_last is None else int(self.sequences.sink_last.max())
+            if remaining <= fixed:
+                raise ValueError(
+                    f"crop({tokens_to_remove}) would leave {remaining} tokens, but positions up to {fixed} hold sink "
+                    "tokens or leading pads fixed by the first request; crop fewer tokens or use a fresh cache."
+                )
+            window = getattr(self.text_config, "sliding_window", None)
+            if any(not isinstance(layer, DualLayer) and layer.get_seq_length() >= window for layer in self.layers):
+                raise ValueError(
+                    f"crop({tokens_to_remove}): a sliding-window layer past its window ({window} tokens) keeps only "
+                    "the tokens that window needs, so it cannot continue from an earlier point; use a fresh cache."
+                )
+        super().crop(tokens_to_remove)
+        if self.token_ids is not None and self.token_ids.shape[1] > self.get_seq_length():
+            self.token_ids = self.token_ids[:, : self.get_seq_length()]
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
         raise NotImplementedError(

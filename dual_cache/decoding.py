@@ -126,8 +126,7 @@ def dual_sample(
                     positions[:, start:end], 1,
                 )
                 cache.crop(0)  # sliding-window layers drop what falls out of their window
-            if cache.dual_layers:
-                cache.end_prefill()
+            cache.end_prefill()
             step_logits = outputs.logits[:, -1].to(dtype=torch.float32, device=device)
             spec_logits = speculated = last_hit = None
             del outputs

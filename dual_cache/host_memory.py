@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 
 class HostMemoryError(MemoryError):
@@ -36,6 +37,10 @@ class HostMemory:
     Args:
         limit: bytes the cache may allocate in all; None = 90% of the host memory available at the first check.
 
+    Claims come from the decode loop's thread and from retrieval worker threads (a selector's index grows inside
+    its retrieval job), so every change of `claimed` is made under a lock: concurrent claims never exceed the
+    limit together.
+
     Attributes:
         claimed: bytes allocated so far (stores and selector state).
     """
@@ -44,6 +49,7 @@ class HostMemory:
         self._limit = limit
         self.configured = limit
         self.claimed = 0
+        self._lock = threading.Lock()
 
     @property
     def limit(self) -> int:
@@ -67,15 +73,31 @@ class HostMemory:
             )
 
     def claim(self, nbytes: int) -> None:
-        """Account for `nbytes` about to be allocated; raises `HostMemoryError` past the limit."""
-        if self.claimed + nbytes > self.limit:
-            raise HostMemoryError(
-                f"The dual cache's host memory would exceed {format_bytes(self.limit)} (another "
-                f"{format_bytes(nbytes)} requested). Lower the batch size or the number of tokens, or raise "
-                "`max_host_bytes` in cache_config."
-            )
-        self.claimed += nbytes
+        """Account for `nbytes` about to be allocated; raises `HostMemoryError` past the limit (nothing is claimed
+        then). Thread-safe: the check and the addition are one step."""
+        limit = self.limit
+        with self._lock:
+            if self.claimed + nbytes > limit:
+                raise HostMemoryError(
+                    f"The dual cache's host memory would exceed {format_bytes(limit)} (another "
+                    f"{format_bytes(nbytes)} requested). Lower the batch size or the number of tokens, or raise "
+                    "`max_host_bytes` in cache_config."
+                )
+            self.claimed += nbytes
+
+    def __deepcopy__(self, memo: dict) -> "HostMemory":
+        """A new allowance with the same limit and claims (and a lock of its own)."""
+        copied = HostMemory(self._limit)
+        copied.configured, copied.claimed = self.configured, self.claimed
+        memo[id(self)] = copied
+        return copied
+
+    def release(self, nbytes: int) -> None:
+        """`nbytes` claimed earlier were freed (a layer's host store and index, when the layer starts sliding)."""
+        with self._lock:
+            self.claimed = max(0, self.claimed - nbytes)
 
     def release_all(self) -> None:
         """Everything claimed was freed (the cache was closed)."""
-        self.claimed = 0
+        with self._lock:
+            self.claimed = 0

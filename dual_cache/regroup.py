@@ -21,6 +21,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from .cache import DualDecoderCache
 from .layer import DualLayer
+from .layer_types import SLIDING_ATTENTION
 
 
 def _check(rows: Sequence[tuple[DualDecoderCache, int]]) -> None:
@@ -35,19 +36,27 @@ def _check(rows: Sequence[tuple[DualDecoderCache, int]]) -> None:
         if cache.request_running:
             raise RuntimeError("regroup() needs caches between requests: end the running request first "
                                "(DualDecoderCache.end_request).")
-        if cache.get_seq_length() == 0 or not cache.dual_layers or cache.dual_layers[0].host is None:
+        if cache.get_seq_length() == 0:
             raise ValueError("regroup() was given a DualDecoderCache that holds no tokens.")
         if cache.sequences.first_real is None:
             raise ValueError("regroup() was given a DualDecoderCache whose prompt has no sink yet; end its request "
                              "first (DualDecoderCache.end_request).")
-        held = cache.dual_layers[0].host.shape_prefix[0]
+        held = cache.sequences.first_real.shape[0]
         if not 0 <= row < held:
             raise ValueError(f"Row {row} is out of range for a DualDecoderCache of {held} sequence(s).")
-        if cache.dual_config != first.dual_config or cache.layer_types != first.layer_types:
-            raise ValueError("regroup() needs caches with one DualDecoderConfig and the same layer types (sliding "
-                             "windows served as full attention or not: `DualDecoderCache.fit_layers`).")
+        if cache.dual_config != first.dual_config:
+            raise ValueError("regroup() needs caches with one DualDecoderConfig.")
         if (cache.kv_heads, cache.head_dim, len(cache.layers)) != (first.kv_heads, first.head_dim, len(first.layers)):
             raise ValueError("regroup() needs caches of one model.")
+
+
+def _layer_types(rows: Sequence[tuple[DualDecoderCache, int]]) -> list[str]:
+    """Per layer: sliding when any source serves it sliding, else full attention. A sliding-window layer served as
+    full attention (a request shorter than the window, `DualDecoderCache.fit_layers`) holds every stored token, so
+    its window can always be taken from its host store; the reverse is not possible (a sliding layer has dropped
+    what fell out of its window), and sliding is exact for every sequence."""
+    types = [list(cache.layer_types) for cache, _ in rows]
+    return [SLIDING_ATTENTION if SLIDING_ATTENTION in column else column[0] for column in zip(*types)]
 
 
 def regroup(rows: Sequence[tuple[DualDecoderCache, int]]) -> DualDecoderCache:
@@ -57,8 +66,9 @@ def regroup(rows: Sequence[tuple[DualDecoderCache, int]]) -> DualDecoderCache:
     several pairs.
 
     Args:
-        rows: `(cache, row)` pairs: caches of one model and one `DualDecoderConfig`, with the same layer types,
-            between requests (no request running), holding at least one token each.
+        rows: `(cache, row)` pairs: caches of one model and one `DualDecoderConfig`, between requests (no request
+            running), holding at least one token each. A layer that some of them serve sliding and others as full
+            attention (a sliding window longer than their requests) is sliding in the new cache.
 
     Returns:
         An open cache of `len(rows)` sequences on an axis of `max(tokens of each sequence)` positions, between
@@ -77,9 +87,8 @@ def regroup(rows: Sequence[tuple[DualDecoderCache, int]]) -> DualDecoderCache:
     offsets = [axis - length for length in lengths]
 
     out = DualDecoderCache(first.text_config, dual_config=first.dual_config)
-    out.layers = out.layers_of_types(first.layer_types)
-    source_layer = first.dual_layers[0]
-    dtype = source_layer.host.dtype
+    out.layers = out.layers_of_types(_layer_types(rows))
+    dtype = _kv_dtype(first)
     out.host_memory.check(out.host_bytes_needed(batch, axis, dtype, prompt_tokens=axis),
                           f"{batch} regrouped sequence(s) of {axis} positions")
 
@@ -106,6 +115,16 @@ def regroup(rows: Sequence[tuple[DualDecoderCache, int]]) -> DualDecoderCache:
         out.close()
         raise
     return out
+
+
+def _kv_dtype(cache: DualDecoderCache) -> torch.dtype:
+    """The K/V dtype `cache` stores."""
+    for layer in cache.layers:
+        if isinstance(layer, DualLayer) and layer.host is not None:
+            return layer.host.dtype
+        if not isinstance(layer, DualLayer) and layer.is_initialized:
+            return layer.keys.dtype
+    raise ValueError("regroup() was given a DualDecoderCache that holds no tokens.")
 
 
 def _regroup_dual(layer: DualLayer, sources, starts, offsets, axis: int, out: DualDecoderCache) -> None:
@@ -143,19 +162,37 @@ def _copy_positions(chunks: list[torch.Tensor], start: int, out: torch.Tensor) -
 
 
 def _regroup_sliding(layer: DynamicSlidingWindowLayer, sources, lengths, axis: int) -> None:
-    """Window of one sliding-window layer: each sequence's last tokens, right-aligned (zeros where it has fewer)."""
-    src = sources[0][0]
-    window = src.sliding_window
+    """Window of one sliding-window layer: each sequence's last tokens, right-aligned (zeros where it has fewer),
+    from a sliding source's window or from the host store of a source that served the layer as full attention."""
+    window = layer.sliding_window
     kept = window - 1 if axis >= window else axis  # what DynamicSlidingWindowLayer keeps after a crop
-    shape = (len(sources), src.keys.shape[1], kept, src.keys.shape[3])
-    keys = torch.zeros(shape, dtype=src.keys.dtype, device=src.keys.device)
+    tails = [_tail(source, row, min(kept, length)) for (source, row), length in zip(sources, lengths)]
+    like = next(keys for keys, _ in tails if keys is not None)
+    shape = (len(sources), like.shape[1], kept, like.shape[3])
+    keys = torch.zeros(shape, dtype=like.dtype, device=like.device)
     values = torch.zeros_like(keys)
-    for i, ((source, row), length) in enumerate(zip(sources, lengths)):
-        take = min(kept, length)
-        if take:
-            keys[i, :, kept - take:] = source.keys[row, :, source.keys.shape[2] - take:]
-            values[i, :, kept - take:] = source.values[row, :, source.values.shape[2] - take:]
+    for i, (tail_keys, tail_values) in enumerate(tails):
+        if tail_keys is not None:
+            take = tail_keys.shape[2]
+            keys[i, :, kept - take:] = tail_keys[0].to(keys.device)
+            values[i, :, kept - take:] = tail_values[0].to(keys.device)
     layer.lazy_initialization(keys[:, :, :0], values[:, :, :0])
     layer.keys, layer.values = keys, values
     layer.cumulative_length = axis
 
+
+def _tail(source, row: int, take: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """`(1, H_kv, take, D)` keys and values of one sequence's last `take` positions, on the layer's device (None
+    when the layer holds nothing)."""
+    if isinstance(source, DualLayer):
+        if source.host is None:
+            return None, None
+        source.host.wait_written()
+        end = source.host.length
+        keys, values = source.host.read(end - take, end)
+        at = row if keys.shape[0] > 1 else 0
+        return keys[at : at + 1].to(source.device), values[at : at + 1].to(source.device)
+    if not source.is_initialized or source.keys is None:
+        return None, None
+    n = source.keys.shape[2]
+    return source.keys[row : row + 1, :, n - take:], source.values[row : row + 1, :, n - take:]

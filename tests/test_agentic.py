@@ -241,3 +241,30 @@ def test_a_continuation_may_not_change_the_mask_of_leading_pads_or_sink_tokens()
         later = extended.clone()
         later[0, 30] = 0  # past the sink: applied as the default cache applies it
         model.generate(longer, attention_mask=later, max_new_tokens=2, do_sample=False, cache=cache)
+
+
+def test_a_conversation_continues_from_an_earlier_point_after_a_crop():
+    """Between requests a crop lets a conversation continue from an earlier point (regenerate a reply), as with the
+    default cache; a crop that would remove the sink, or that a sliding window already passed cannot serve, is
+    refused before any work."""
+    model = TINY_MODELS["llama"](seed=5)
+    turns = _turns(6, batch=2, lengths=(40, 9))
+
+    def regenerate(cache):
+        first = model.generate(turns[0], max_new_tokens=8, do_sample=False, past_key_values=cache)
+        cache.crop(-5)  # forget the last 5 stored tokens: the reply's tail
+        kept = first[:, : cache.get_seq_length()]
+        return model.generate(torch.cat([kept, turns[1]], 1), max_new_tokens=6, do_sample=False,
+                              past_key_values=cache)
+
+    with DualDecoderCache(model.config, **FULL) as cache:
+        assert torch.equal(regenerate(cache), regenerate(DynamicCache(config=model.config)))
+        with pytest.raises(ValueError, match="sink"):
+            cache.crop(-(cache.get_seq_length() - 2))
+    gemma = TINY_MODELS["gemma3"](seed=5)  # window 24, passed by a 40-token prompt
+    with DualDecoderCache(gemma.config, **FULL) as cache:
+        gemma.generate(turns[0], max_new_tokens=3, do_sample=False, cache=cache)
+        stored = cache.get_seq_length()
+        with pytest.raises(ValueError, match="sliding-window layer past its window"):
+            cache.crop(-2)
+        assert cache.get_seq_length() == stored  # refused before anything changed

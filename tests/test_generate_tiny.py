@@ -100,6 +100,26 @@ def test_partial_budget_selections_identical_alone_and_in_padded_batch(selector)
     assert torch.equal(tokens["alone"], tokens["batch"])
 
 
+@pytest.mark.parametrize("name", sorted(TINY_MODELS))
+def test_seeded_sampling_at_full_budget_equals_the_default_cache(name):
+    """The dual loop samples as transformers' own loop does: the same processors (temperature, top-k, top-p,
+    repetition penalty) and the same random draws, so a seeded run at full budget gives the default cache's tokens,
+    for a left-padded batch too."""
+    model = TINY_MODELS[name](seed=21)
+    ids = _prompt(22, 150, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :40] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=30, do_sample=True, temperature=0.8, top_k=20, top_p=0.9,
+                  repetition_penalty=1.2)
+    torch.manual_seed(5)
+    dense = model.generate(ids, **kwargs)
+    torch.manual_seed(5)
+    dual = model.generate(ids, **kwargs, cache_implementation="dual", cache_config=FULL)
+    assert torch.equal(dense, dual)
+    torch.manual_seed(6)
+    assert not torch.equal(model.generate(ids, **kwargs), dense)  # the seed matters: the comparison can fail
+
+
 def test_sampling_is_reproducible_and_processors_apply():
     model = tiny_llama(seed=21)
     ids = _prompt(22, 150)
@@ -231,3 +251,44 @@ def test_host_store_is_sized_to_the_request(selector):
     assert store <= 1.05 * stats["dense_equivalent_bytes"]
     if selector == "exact":
         assert stats["host_bytes"] <= 1.05 * stats["dense_equivalent_bytes"]
+
+
+def _attended(monkeypatch, model, ids, config) -> list[tuple[int, int, list[int]]]:
+    """`(committed, query position, attended positions)` of sequence 0, KV head 0, for every decode query of every
+    full-attention layer, read from the segments handed to the decode attention."""
+    import dual_cache.attention as attention
+
+    seen = []
+    original = attention.sparse_decode_attention
+
+    def spy(query, segments, query_positions, scaling, **kwargs):
+        positions = torch.cat([s.positions.expand(*s.keys.shape[:3]) for s in segments], dim=2)[0, 0]
+        valid = torch.cat([s.valid.expand(*s.keys.shape[:3]) for s in segments], dim=2)[0, 0]
+        committed = int(query_positions[0])
+        for position in query_positions.tolist():  # causal: the speculated slot also sees slot 0
+            seen.append((committed, position, sorted(positions[valid & (positions <= position)].tolist())))
+        return original(query, segments, query_positions, scaling, **kwargs)
+
+    monkeypatch.setattr(attention, "sparse_decode_attention", spy)
+    model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="dual", cache_config=config)
+    monkeypatch.setattr(attention, "sparse_decode_attention", original)
+    return seen
+
+
+def test_each_decode_query_attends_sink_budget_window_and_its_own_step(monkeypatch):
+    """What attention reads in decode, per (sequence, KV head): the sink, `budget` selected positions of the middle,
+    the last `window` committed positions and the step's causal new tokens, each once, whatever the context; with
+    a budget covering the context, every position."""
+    model = tiny_llama(seed=27)
+    n_sink, window, budget = 4, 8, 12
+    config = {"budget": budget, "n_sink": n_sink, "window": window, "early_layers": 0}
+    for context in (90, 200):
+        seen = _attended(monkeypatch, model, _prompt(28, context), config)
+        assert len(seen) == 5 * 3 * 2  # decode steps × layers × (real, speculated)
+        for committed, position, attended in seen:
+            assert len(attended) == len(set(attended))
+            assert attended[:n_sink] == list(range(n_sink))
+            assert len([p for p in attended if n_sink <= p < committed - window]) == budget
+            assert [p for p in attended if p >= committed - window] == list(range(committed - window, position + 1))
+    seen = _attended(monkeypatch, model, _prompt(29, 90), {**config, "budget": 4096})
+    assert all(attended == list(range(position + 1)) for _, position, attended in seen)

@@ -1,7 +1,5 @@
 """The torch sparse decode attention reference against attention written out by hand, per query head."""
 
-import warnings
-
 import pytest
 import torch
 
@@ -70,14 +68,3 @@ def test_bad_shapes_raise():
         sparse_decode_attention_reference(torch.randn(1, 3, 1, 4), [seg], torch.tensor([4]), 1.0)
     with pytest.raises(ValueError, match="query_positions"):
         sparse_decode_attention_reference(torch.randn(1, 4, 1, 4), [seg], torch.tensor([[1, 2, 3]]), 1.0)
-
-
-def test_the_cuda_fallback_without_triton_warns_once_per_reason():
-    from dual_cache.kernels import dispatch
-
-    dispatch._warn_no_triton.cache_clear()
-    with pytest.warns(RuntimeWarning, match="runs the torch reference .* No module named 'triton'"):
-        dispatch._warn_no_triton("ModuleNotFoundError: No module named 'triton'")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        dispatch._warn_no_triton("ModuleNotFoundError: No module named 'triton'")  # the same reason: silent

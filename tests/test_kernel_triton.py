@@ -420,3 +420,26 @@ def test_softcap_matches_reference(dtype, split_size):
     torch.testing.assert_close(got.float(), expected.float(), **TOL[dtype])
     torch.testing.assert_close(sparse_decode_attention(query, segments, qpos, 64 ** -0.5, backend="triton",
                                                        softcap=5.0).float(), expected.float(), **TOL[dtype])
+
+
+def test_auto_on_cuda_warns_once_per_reason_when_it_falls_back(monkeypatch):
+    """A CUDA call the kernel refuses (here: a refusal forced on CPU tensors) runs the reference and says so once,
+    naming the shapes and dtypes; the result is the reference's."""
+    gen = torch.Generator().manual_seed(5)
+    segments = _random_segments(gen, 2, 2, 16, [4, 30], torch.float32, 40)
+    query = torch.randn(2, 4, 2, 16, generator=gen)
+    qpos = torch.tensor([38, 39])
+
+    def refuse(*args, **kwargs):
+        raise triton_decode.UnsupportedShapeError("head_dim 16 refused for this test")
+
+    monkeypatch.setattr(dispatch, "_on_cuda", lambda query: True)
+    monkeypatch.setattr(triton_decode, "sparse_decode_attention_triton", refuse)
+    monkeypatch.setattr(dispatch, "_warned", set())
+    with pytest.warns(RuntimeWarning, match=r"falls back.*head_dim 16 refused.*query \(2, 4, 2, 16\) torch.float32"):
+        out = sparse_decode_attention(query, segments, qpos, 0.25)
+    torch.testing.assert_close(out, sparse_decode_attention_reference(query, segments, qpos, 0.25))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same reason again: no second warning
+        sparse_decode_attention(query, segments, qpos, 0.25)

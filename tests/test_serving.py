@@ -308,12 +308,21 @@ def test_a_cached_prefix_with_sliding_window_layers_equals_each_request_alone():
         assert handle.token_ids == expected[0, prompt.numel():].tolist()
 
 
-def test_requests_whose_layer_types_differ_never_share_a_batch():
+def test_requests_whose_layer_types_differ_share_a_batch():
     """Gemma (window 24): a short request serves its sliding layers as full attention, a long one does not; queued
-    together onto an empty batch they decode in turn, each equal to its solo run."""
+    together they share the batch (its sliding layers slide for all of them: `regroup`), each equal to its solo
+    run."""
     model = tiny_gemma3(seed=60)
     prompts, new = _prompts(61, [6, 40, 8]), [12, 4, 3]
     scheduler = Scheduler(model, cache_config={**FULL, "prefill_chunk_size": 4}, max_batch=3)
+    widths = []
+    step = scheduler.batch.step
+
+    def spy():
+        widths.append(len([row for row in scheduler.batch.rows if not row.done]))
+        step()
+
+    scheduler.batch.step = spy
     try:
         with scheduler._cond:
             handles = [scheduler.add_request(p, GenerationOptions(max_tokens=n, temperature=0))
@@ -321,7 +330,80 @@ def test_requests_whose_layer_types_differ_never_share_a_batch():
         assert all(h.wait(120) for h in handles)
     finally:
         scheduler.stop()
+    assert max(widths) >= 2  # a short and a long request decoded together
     for prompt, n, handle in zip(prompts, new, handles):
+        assert handle.finish_reason == "length", handle.error
+        assert handle.token_ids == model.generate(prompt[None], max_new_tokens=n,
+                                                  do_sample=False)[0, prompt.numel():].tolist()
+
+
+def test_a_session_continued_past_the_sliding_window_equals_the_default_cache():
+    """Gemma (window 24): turn 1 fits the window (sliding layers served as full attention), turn 2 passes it; the
+    session's cache slides from then on and answers as transformers' default cache does."""
+    model = tiny_gemma3(seed=70)
+    first_prompt, user = _prompts(71, [10, 30])
+    scheduler = Scheduler(model, cache_config=FULL, max_batch=2)
+    try:
+        first = scheduler.add_request(first_prompt, GenerationOptions(max_tokens=5, temperature=0), session="s")
+        assert first.wait(60) and scheduler.wait_idle(60)
+        turn = torch.cat([first_prompt, torch.tensor(first.token_ids), user])
+        second = scheduler.add_request(turn, GenerationOptions(max_tokens=12, temperature=0), session="s")
+        assert second.wait(60) and second.error is None
+    finally:
+        scheduler.stop()
+    assert scheduler.counters["session_resumes"] == 1
+    assert second.token_ids == model.generate(turn[None], max_new_tokens=12, do_sample=False)[0, turn.numel():].tolist()
+
+
+def test_a_row_that_cannot_be_regrouped_fails_alone(monkeypatch):
+    """A regroup that fails for one joining request's sequence fails that request only; the other rows keep
+    decoding and answer as they would alone."""
+    import dual_cache.serving.batch as batch_module
+
+    model = tiny_llama(seed=72)
+    prompts = _prompts(73, [30, 44, 25])
+    poison = prompts[1][:3].tolist()
+    real = batch_module.regroup
+
+    def regroup(sources):
+        for cache, row in sources:
+            if cache.token_ids is not None and cache.token_ids[row if cache.token_ids.shape[0] > 1 else 0, :3].tolist() \
+                    == poison:
+                raise RuntimeError("this sequence cannot be copied")
+        return real(sources)
+
+    monkeypatch.setattr(batch_module, "regroup", regroup)
+    scheduler = Scheduler(model, cache_config=FULL, max_batch=3)
+    try:
+        with scheduler._cond:
+            handles = [scheduler.add_request(p, GenerationOptions(max_tokens=8, temperature=0)) for p in prompts]
+        assert all(h.wait(120) for h in handles)
+    finally:
+        scheduler.stop()
+    assert handles[1].finish_reason == "error" and "cannot be copied" in handles[1].error
+    for i in (0, 2):
+        assert handles[i].finish_reason == "length", handles[i].error
+        assert handles[i].token_ids == model.generate(prompts[i][None], max_new_tokens=8,
+                                                      do_sample=False)[0, prompts[i].numel():].tolist()
+
+
+def test_a_cached_prefix_served_within_the_window_continues_past_it():
+    """Gemma (window 24): the first prompt and its reply fit the window, so its cached prefix serves the sliding
+    layers as full attention; a later prompt that starts with it and passes the window slides from its copy on,
+    and answers as the default cache does."""
+    model = tiny_gemma3(seed=74)
+    document = _prompts(75, [16])[0]
+    prompts = [torch.cat([document, own]) for own in _prompts(76, [1, 17])]
+    scheduler = Scheduler(model, cache_config=FULL, max_batch=2, prefix_block=8)
+    try:
+        handles = []
+        for prompt, n in zip(prompts, (4, 6)):
+            handles.append(scheduler.add_request(prompt, GenerationOptions(max_tokens=n, temperature=0)))
+            assert handles[-1].wait(120) and scheduler.wait_idle(60)
+    finally:
+        scheduler.stop()
+    assert scheduler.counters["prefix_hit_tokens"] == 16
+    for prompt, n, handle in zip(prompts, (4, 6), handles):
         assert handle.finish_reason == "length", handle.error
         assert handle.token_ids == model.generate(prompt[None], max_new_tokens=n,
                                                   do_sample=False)[0, prompt.numel():].tolist()

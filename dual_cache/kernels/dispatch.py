@@ -6,12 +6,14 @@ arguments of `sparse_decode_attention_reference` (see `dual_cache.kernels.refere
 - `"auto"`: the Triton kernel when the query is on a CUDA device, `triton` imports and the kernel supports the
   input (head_dim in [16, 256], fp16/bf16/fp32, one dtype, one device: the kernel's own validation decides, by
   raising `UnsupportedShapeError`, so the hot path validates once); the torch reference otherwise (CPU
-  tensors, head_dim 8, no triton, ...), with one `RuntimeWarning` per process when a CUDA query falls back because
-  triton is missing or older than `MIN_TRITON`. `resolve_backend` says which one a call would take.
+  tensors, head_dim 8, no triton, ...). `resolve_backend` says which one a call would take.
 - `"torch"`: always the reference.
 - `"triton"`: always the kernel; raises `RuntimeError` when triton cannot be imported and
   `UnsupportedShapeError` (a `ValueError`) for inputs the kernel refuses. CPU tensors run through Triton's
   interpreter (slow; for tests).
+
+On a CUDA query, `"auto"` falling back to the reference (no usable triton, or inputs the kernel refuses) is slow
+on the hot path: it warns once per reason (`RuntimeWarning`), naming the shape and dtypes.
 
 `triton_decode` is imported lazily, on the first call that may use it, so importing `dual_cache` never imports
 triton.
@@ -50,12 +52,20 @@ def triton_import_error() -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _warn_no_triton(reason: str) -> None:
-    """Once per process and reason: CUDA decode attention runs the torch reference because triton is unusable."""
-    warnings.warn(f"dual-cache: decode attention on CUDA runs the torch reference (same results, slower) because "
-                  f"the Triton kernel is unavailable ({reason}); install triton>={'.'.join(map(str, MIN_TRITON))} "
-                  "(docs/usage.md, Install).", RuntimeWarning, stacklevel=3)
+_warned: set[str] = set()
+
+
+def _on_cuda(query: torch.Tensor) -> bool:
+    """Whether `"auto"` tries the kernel for this query (a CUDA tensor)."""
+    return query.device.type == "cuda"
+
+
+def _warn_fallback(reason: str) -> None:
+    """Warn once per distinct `reason` that a CUDA call runs the torch reference instead of the Triton kernel."""
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"dual-cache: decode attention on CUDA falls back to the slow torch reference: {reason}. "
+                      "Pass attention_kernel='torch' to choose it knowingly.", RuntimeWarning, stacklevel=3)
 
 
 def resolve_backend(query: torch.Tensor, segments: Sequence[KVSegment], backend: str = "auto") -> str:
@@ -87,15 +97,19 @@ def sparse_decode_attention(
         UnsupportedShapeError: `backend="triton"` with inputs the kernel does not support.
     """
     if backend == "auto":
-        if query.device.type != "cuda" or triton_import_error() is not None:
-            if query.device.type == "cuda":
-                _warn_no_triton(triton_import_error())
+        if not _on_cuda(query):
+            return sparse_decode_attention_reference(query, segments, query_positions, scaling, softcap)
+        if triton_import_error() is not None:
+            _warn_fallback(f"triton is unavailable ({triton_import_error()})")
             return sparse_decode_attention_reference(query, segments, query_positions, scaling, softcap)
         from .triton_decode import UnsupportedShapeError, sparse_decode_attention_triton
 
         try:  # one validation pass on the hot path: the kernel's own checks decide support
             return sparse_decode_attention_triton(query, segments, query_positions, scaling, softcap)
-        except UnsupportedShapeError:
+        except UnsupportedShapeError as error:
+            kv = segments[0].keys if segments else None
+            _warn_fallback(f"{error} (query {tuple(query.shape)} {query.dtype}"
+                           + ("" if kv is None else f", KV {tuple(kv.shape)} {kv.dtype}") + ")")
             return sparse_decode_attention_reference(query, segments, query_positions, scaling, softcap)
     if resolve_backend(query, segments, backend) == "torch":
         return sparse_decode_attention_reference(query, segments, query_positions, scaling, softcap)

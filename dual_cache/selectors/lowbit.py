@@ -19,6 +19,7 @@ selectable range grows (prefill chunks, then decode steps). Host bytes: `D/4 + D
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -42,6 +43,18 @@ class LowBitSelector(Selector):
         self.params: torch.Tensor | None = None  # (B, H_kv, capacity, 2, D_q) bfloat16
         self.group_first = [-1] * batch  # per sequence: position of its group 0 (-1: no real token indexed yet)
         self.n_groups = [0] * batch  # per sequence: complete groups indexed
+        # `extend` runs inside retrieval jobs on worker threads while the decode loop's `crop(-1)` calls `truncate`
+        # on the layer's index: every change of the index state is made under this lock (see `truncate`)
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:  # copies (a closed cache's deepcopy) get a lock of their own
+        state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -95,7 +108,11 @@ class LowBitSelector(Selector):
 
     def extend(self, length: int, first_real: torch.Tensor, first_sequence: int = 0) -> None:
         """Quantize every complete group of positions below `length` not indexed yet (per sequence, from its first
-        real position)."""
+        real position). Holds the index lock (`truncate`)."""
+        with self._lock:
+            self._extend(length, first_real, first_sequence)
+
+    def _extend(self, length: int, first_real: torch.Tensor, first_sequence: int) -> None:
         kv_heads, dim = self.store.shape_prefix[1], self.store.head_dim
         wanted = {}
         for offset, real in enumerate(first_real.tolist()):
@@ -133,11 +150,27 @@ class LowBitSelector(Selector):
         self.extend(length, first_real)
 
     def truncate(self, length: int) -> None:
-        for row, first in enumerate(self.group_first):
-            if first >= length:
-                self.group_first[row], self.n_groups[row] = -1, 0
-            elif first >= 0:
-                self.n_groups[row] = min(self.n_groups[row], (length - first) // GROUP)
+        """Forget the groups reaching positions `>= length` (the store was cropped to `length` tokens).
+
+        Ordering with the retrieval jobs (worker threads) that extend the index: a decode step's job indexes only
+        positions below its selectable end, `committed - window`, and `window >= 1` (`DualDecoderConfig`), so the
+        decode loop's `crop(-1)` of the speculated token never finds a group to forget and returns without touching
+        the index (the check reads counts that a concurrent `extend` only raises, and only below that end). A crop
+        that does forget groups (deeper than the window, between requests or by a user) takes the index lock, so it
+        waits for a running `extend` and the two never interleave.
+        """
+        def doomed(row: int) -> bool:
+            first = self.group_first[row]
+            return first >= length or (first >= 0 and self.n_groups[row] > (length - first) // GROUP)
+
+        if not any(doomed(row) for row in range(len(self.group_first))):
+            return
+        with self._lock:
+            for row, first in enumerate(self.group_first):
+                if first >= length:
+                    self.group_first[row], self.n_groups[row] = -1, 0
+                elif first >= 0:
+                    self.n_groups[row] = min(self.n_groups[row], (length - first) // GROUP)
 
     def share(self) -> None:
         """Copy the stored sequence's index to every sequence of the batch that now continues it (the store keeps

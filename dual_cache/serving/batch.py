@@ -55,14 +55,6 @@ class DualBatch:
                           logits_to_keep=keep, dual_cache=cache, **{self.cache_arg: cache})
 
     # --- prefill (one request, on its own cache) -----------------------------------------------------------
-    def can_join(self, row: Row, first: Row | None = None) -> bool:
-        """Whether a prefilled row can join the running batch: its cache has the batch's layer types (a sliding
-        window that covers a short request is served as full attention, `DualDecoderCache.fit_layers`); with
-        `first`, the layer types of that row, which starts a batch with no rows."""
-        types = first.cache.layer_types if first is not None else None if self.cache is None else \
-            self.cache.layer_types
-        return types is None or row.cache.layer_types == types
-
     def prefill_chunk(self, row: Row) -> str:
         """Feed the row's next prompt chunk (`prefill_chunk_size` tokens) to its own cache.
 
@@ -110,11 +102,20 @@ class DualBatch:
         return "done"
 
     # --- the batch ------------------------------------------------------------------------------------------
-    def regroup(self, joining: list[Row]) -> list[tuple[Row, DualDecoderCache | None]]:
+    def regroup(self, joining: list[Row]) -> tuple[list[tuple[Row, DualDecoderCache | None]], list[tuple[Row, str]]]:
         """Between steps: rows that finished leave, `joining` rows (prefilled, not finished) join.
 
-        Returns `(row, cache)` for each row that left: a session row gets its own one-sequence cache back (its
-        stored tokens, for the session's next request), other rows None. Every cache this replaces is closed.
+        A row whose sequence cannot be regrouped (`regroup` raises for it alone) is dropped from the batch and
+        reported; when every row can be regrouped alone but not all together (host memory), the joining rows are
+        dropped; the others decode on either way.
+
+        Returns:
+            `(row, cache)` for each row that left (a session row gets its own one-sequence cache back, its stored
+            tokens for the session's next request; other rows None), and `(row, message)` for each row dropped by a
+            failed regroup (its request has failed; the caller finishes it). Every cache this replaces is closed.
+
+        Raises:
+            Exception: when even the rows that regroup alone cannot form the new batch (the batch is lost).
         """
         old, old_rows = self.cache, self.rows
         staying = [(i, row) for i, row in enumerate(old_rows) if not row.done]
@@ -128,24 +129,25 @@ class DualBatch:
                 if row.session is not None and row.handle.error is None:  # finished or cancelled: kept
                     kept = regroup([(old, i)])
                 left.append((row, kept))
-            sources = [(old, i) for i, _ in staying] + [(row.cache, 0) for row in joining]
-            self.cache = regroup(sources) if sources else None
+            members = [(row, (old, i)) for i, row in staying] + [(row, (row.cache, 0)) for row in joining]
+            self.cache, failed = _regroup_rows(members, joining)
         finally:
             for cache in [old] + [row.cache for row in joining]:
                 if cache is not None:
                     cache.close()
             for row in joining:
                 row.cache = None
-        self.rows = [row for _, row in staying] + joining
+        dropped = {row for row, _ in failed}
+        self.rows = [row for row, _ in members if row not in dropped]
         if self.cache is None:
             self.mask = None
-            return left
+            return left, failed
         self.mask = self.cache.sequences.valid.long()
         axis = self.cache.get_seq_length()
         tokens = axis + max(r.handle.options.max_tokens - len(r.handle.token_ids) for r in self.rows) + 2
         self.cache.begin_request(len(self.rows), tokens, self.model.dtype, self.device, self.mask, axis)
         self.cache.end_prefill()  # no prefill: fills the sink and window tiers, selects with the rows' next queries
-        return left
+        return left, failed
 
     def _sequences(self, rows: list[Row], axis: int) -> torch.Tensor:
         """`(B, axis)` token ids of the rows' fed positions, right-aligned (pad ids on the left)."""
@@ -217,3 +219,29 @@ class DualBatch:
         if self.cache is not None:
             self.cache.close()
         self.cache, self.rows, self.mask = None, [], None
+
+
+def _regroup_rows(members: list[tuple[Row, tuple[DualDecoderCache, int]]],
+                  joining: list[Row]) -> tuple[DualDecoderCache | None, list[tuple[Row, str]]]:
+    """`regroup` of the members' `(cache, row)` sources into one cache; when it fails, the rows that caused it are
+    left out: those whose sequence fails to regroup alone, or, when each regroups alone, the joining rows (the
+    combination does not fit). Returns the new cache (None without members) and `(row, message)` per row left
+    out; raises when the remaining rows still fail together."""
+    if not members:
+        return None, []
+    try:
+        return regroup([source for _, source in members]), []
+    except Exception as together:  # noqa: BLE001 - narrowed to the rows it concerns below
+        failed = []
+        for row, source in members:
+            try:
+                regroup([source]).close()
+            except Exception as alone:  # noqa: BLE001 - this row's own failure
+                failed.append((row, f"{type(alone).__name__}: {alone}"))
+        if not failed:
+            failed = [(row, f"{type(together).__name__}: {together}") for row, _ in members if row in joining]
+        if not failed:
+            raise
+        dropped = {row for row, _ in failed}
+        kept = [source for row, source in members if row not in dropped]
+        return (regroup(kept) if kept else None), failed

@@ -40,10 +40,6 @@ class DenseBatch:
                           mask.to(self.device), position_ids=positions.to(self.device),
                           use_cache=True, logits_to_keep=keep, **{self.cache_arg: cache})
 
-    def can_join(self, row: Row, first: Row | None = None) -> bool:
-        """Always: a `DynamicCache` has one set of layer types."""
-        return True
-
     def prefill_chunk(self, row: Row) -> str:
         """Feed the row's next prompt chunk; after the last one pick and stream its first token. Returns "more" or
         "done" (as `DualBatch.prefill_chunk`)."""
@@ -62,9 +58,10 @@ class DenseBatch:
         row.emit(row.pick(outputs.logits[0, -1].to("cpu", torch.float32)), self.decode, self.eos_ids)
         return "done"
 
-    def regroup(self, joining: list[Row]) -> list[tuple[Row, None]]:
+    def regroup(self, joining: list[Row]) -> tuple[list[tuple[Row, None]], list[tuple[Row, str]]]:
         """Rows that finished leave, `joining` rows join: the batch's `DynamicCache` is rebuilt from the rows that
-        stay and the joining rows' own caches. Returns `(row, None)` for each row that left."""
+        stay and the joining rows' own caches. Returns `(row, None)` for each row that left, and no failed rows
+        (as `DualBatch.regroup`; a failure here raises and loses the batch)."""
         staying = [(self.cache, i, row) for i, row in enumerate(self.rows) if not row.done]
         left = [(row, None) for row in self.rows if row.done]
         sources = staying + [(row.cache, 0, row) for row in joining]
@@ -73,7 +70,7 @@ class DenseBatch:
             row.cache = None
         if not sources:
             self.cache, self.mask = None, None
-            return left
+            return left, []
         lengths = [row.length - 1 for row in self.rows]  # fed tokens, right-aligned in their caches
         axis = max(lengths)
         cache = DynamicCache(config=self.model.config)
@@ -97,7 +94,7 @@ class DenseBatch:
         self.mask = torch.zeros(len(self.rows), axis, dtype=torch.long)
         for b, length in enumerate(lengths):
             self.mask[b, axis - length:] = 1
-        return left
+        return left, []
 
     def step(self) -> None:
         """One decode step of every row (one token each), then pick, stream and stop-check each live row's token."""

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import DualDecoderCache
-from ..layer_types import resolve_layer_types
 from ..regroup import regroup
 
 
@@ -94,13 +93,10 @@ class PrefixCache:
         hashes = block_hashes(prompt[:whole * self.block], self.block)
         if not hashes:
             return 0
-        tokens = row.prompt_len + row.handle.options.max_tokens + 1
         hit = 0
         for count in range(len(hashes), 0, -1):
             entry = self._entries.get(hashes[count - 1])
-            if entry is not None and torch.equal(entry.ids, prompt[:count * self.block]) and \
-                    entry.cache.layer_types == resolve_layer_types(entry.cache.text_config, tokens):
-                # (the row's own layer types: sliding windows served as full attention or not)
+            if entry is not None and torch.equal(entry.ids, prompt[:count * self.block]):
                 self._entries.move_to_end(hashes[count - 1])
                 row.cache = regroup([(entry.cache, 0)])
                 hit = count * self.block

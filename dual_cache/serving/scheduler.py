@@ -273,16 +273,15 @@ class Scheduler:
         rows = self.batch.rows
         live = sum(not r.done for r in rows)
         # prefilled requests join together (one regroup) once no other request is prefilling, or two are ready
-        joining = [r for r in self._ready if self.batch.can_join(r, self._ready[0] if not rows else None)] \
-            if not self._prefilling or not live or len(self._ready) >= 2 else []
+        joining = list(self._ready) if not self._prefilling or not live or len(self._ready) >= 2 else []
         finished = [r for r in rows if r.done]
         # a regroup copies the rows' host K/V: rows that finished leave when others join, when they are half the
         # batch, or at once when a session keeps the sequence (a finished row is fed pad tokens until it leaves)
         if joining or (finished and (2 * len(finished) >= len(rows) or any(r.session for r in finished))):
             self._ready = [r for r in self._ready if r not in joining]
             try:
-                left = self.batch.regroup(joining)
-            except Exception as error:  # noqa: BLE001 - the batch is lost: every row of it fails
+                left, failed = self.batch.regroup(joining)
+            except Exception as error:  # noqa: BLE001 - even the rows that regroup alone failed together
                 message = f"{type(error).__name__}: {error}"
                 for row in rows + joining:
                     row.handle.finish("error", message)
@@ -292,6 +291,9 @@ class Scheduler:
             self.counters["regroups"] += 1
             for row, cache in left:
                 self._retire(row, cache)
+            for row, message in failed:  # rows the regroup could not carry: their requests fail alone
+                row.handle.finish("error", message)
+                self._retire(row, None)
         if any(not r.done for r in self.batch.rows):
             try:
                 self.batch.step()
