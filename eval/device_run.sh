@@ -67,8 +67,9 @@ print('torch', torch.__version__, '| transformers', transformers.__version__, '|
 echo "== native selection engine (g++)"
 python3 -m dual_cache.engine
 
+# one run per cell (--repeats 1): the stages' time shares were sized for it; bench's default is 3
 LLAMA=(python3 -m dual_cache.eval.throughput.bench --device cuda --model llama8b --budgets 256 --no-plots --no-cells-jsonl
-       --keep-going)
+       --keep-going --repeats 1)
 CAPPED=("${LLAMA[@]}" --device-budget-gib "$CAP_GIB" --host-budget-gib "$HOST_GIB" --batches 1 --new-tokens 6
         --warmup-steps 2 --forced-miss-rate "$MISS"
         --methods dense dual-no-repair quest offloaded dual-forced-miss dual-self)
