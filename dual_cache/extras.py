@@ -13,7 +13,7 @@ import importlib.util
 EXTRAS: dict[str, tuple[str, ...]] = {
     "serve": ("fastapi", "uvicorn"),
     "eval": ("datasets", "evaluate", "rouge", "jieba", "fuzzywuzzy", "wonderwords", "punkt", "mpmath", "matplotlib"),
-    "gguf": ("gguf",),
+    "gguf": ("gguf", "accelerate"),  # transformers loads a GGUF file only with accelerate
 }
 
 
