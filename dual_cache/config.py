@@ -52,7 +52,8 @@ class DualDecoderConfig:
         speculator: how the speculated token x̂ is proposed. `"self"`: argmax of the model's own logits at the
             speculated slot (two tokens per forward). `"ngram"`: prompt lookup (transformers'
             `PromptLookupCandidateGenerator`), falling back to `"self"` where it finds no match. `"none"`: one
-            token per forward; the real token's query selects for the next step.
+            token per forward, no speculation: each step uses the entries the previous real token's query chose
+            (prefetched a step early, as a speculated query's).
         miss_repair: when the real token differs from the speculated token that chose its step's entries (and on
             the first decode step, whose entries the prompt's last position chose), select that step's entries
             again with the real token's own query, synchronously, layer by layer (only for the sequences that

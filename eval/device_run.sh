@@ -86,7 +86,9 @@ print('torch', torch.__version__, '| transformers', transformers.__version__, '|
 echo "== native selection engine (g++)"
 $PY -m dual_cache.engine
 
-LLAMA=($PY -m dual_cache.eval.throughput.bench "${DEVICE[@]}" --budgets 256 --no-plots --no-cells-jsonl --keep-going)
+# one run per cell (--repeats 1): the stages' time shares were sized for it; bench's default is 3
+LLAMA=($PY -m dual_cache.eval.throughput.bench "${DEVICE[@]}" --budgets 256 --no-plots --no-cells-jsonl --keep-going
+       --repeats 1)
 CAPPED=("${LLAMA[@]}" --device-budget-gib "$CAP_GIB" --host-budget-gib "$HOST_GIB" --batches 1 --new-tokens "$NEW"
         --warmup-steps "$WARM" --forced-miss-rate "$MISS"
         --methods dense dual-no-repair quest offloaded dual-forced-miss dual-self)

@@ -14,6 +14,7 @@ import json
 import os
 from statistics import mean
 
+from ..extras import require
 from ..help_format import DefaultsHelpFormatter
 
 BEGIN, END = "<!-- report:begin -->", "<!-- report:end -->"
@@ -168,6 +169,8 @@ def add_parser(sub) -> None:
 
 
 def cmd_report(args) -> int:
+    if args.plot:
+        require("eval", "`dual-decoder report --plot` (matplotlib)")
     table = render(args.results)
     if args.write:
         write_into(args.write, table)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
+import time
+
 import pytest
 import torch
 
@@ -101,3 +106,26 @@ def record_selections(cache, at: str = "acquire") -> list:
 def embedded():
     """(model, tokenizer) of the embedded SmolLM2-135M-Instruct, loaded once per session."""
     return dual_cache.load_default_model()
+
+
+@contextlib.contextmanager
+def uvicorn_server(app):
+    """Run the ASGI `app` with uvicorn on a free port of 127.0.0.1 in a thread; yields the port, then stops it."""
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    instance = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=instance.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not instance.started:
+        assert time.time() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield port
+    finally:
+        instance.should_exit = True
+        thread.join(30)
+        assert not thread.is_alive()

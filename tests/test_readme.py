@@ -3,11 +3,14 @@ its quick-start blocks running as pasted (embedded model), and every command it 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 from pathlib import Path
 
 import pytest
 
+from dual_cache import DualDecoderConfig
 from dual_cache.cli import main
 from dual_cache.eval import results_table
 
@@ -76,3 +79,62 @@ def test_usage_examples_run_in_order_as_pasted(capsys):
     for block in blocks:
         exec(compile(block, "docs/usage.md", "exec"), namespace)  # noqa: S102 - the docs' own code
     assert namespace["answers"].shape[0] == 2
+
+
+def _options_table(text: str, heading: str) -> dict[str, str]:
+    """`{field: default as written}` of the options table under `heading` (rows `| `a` / `b` | 1 / 2 | ... |`)."""
+    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
+    shown = {}
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            names, defaults = (cell.strip() for cell in line.split("|")[1:3])
+            names = [n.strip().strip("`") for n in names.split(" / ")]
+            defaults = [d.strip().strip("`") for d in defaults.split(" / ")]
+            assert len(names) == len(defaults), line
+            shown.update(zip(names, defaults))
+    return shown
+
+
+def _written(value) -> set[str]:
+    """How a default may be written in a table."""
+    if value is None:
+        return {"auto", "90% of available"}
+    if isinstance(value, str):
+        return {f'"{value}"'}
+    if isinstance(value, dict):
+        return {json.dumps(value)}
+    return {str(value)}
+
+
+def test_the_options_tables_match_the_config_fields_and_defaults():
+    fields = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+              for f in dataclasses.fields(DualDecoderConfig)}
+    usage = _options_table((ROOT / "docs" / "usage.md").read_text(encoding="utf-8"), "## Options (`cache_config`")
+    assert set(usage) == set(fields)  # docs/usage.md: every field
+    readme = _options_table(README, "## Options\n")
+    assert set(readme) <= set(fields) and {"budget", "selector", "speculator"} <= set(readme)
+    for table in (usage, readme):
+        for name, default in table.items():
+            assert default in _written(fields[name]), (name, default, fields[name])
+
+
+def test_the_architecture_count_is_the_full_budget_tests():
+    from tests.test_architectures import ARCHITECTURES
+
+    assert f"tested on {len(ARCHITECTURES)} architectures:\n  `tests/test_architectures.py`" in README
+    assert len(set(ARCHITECTURES)) == len(ARCHITECTURES)
+
+
+def test_every_ratio_range_cites_files_that_hold_its_numbers():
+    """Each `a–b×` outside the generated table is followed by a parenthesis citing `results/...` files (the first
+    one after it), and those files hold both numbers."""
+    text = README.split(results_table.END, 1)[1]
+    for match in re.finditer(r"(\d+(?:\.\d+)?)–(\d+(?:\.\d+)?)×", text):
+        cited = re.search(r"\(([^()]*`results/[^()]*)\)", text[match.end():])
+        assert cited, f"{match.group(0)} cites no results file"
+        paths = re.findall(r"`(results/[^`]+)`", cited.group(1))
+        files = [f for p in paths for f in ([ROOT / p] if (ROOT / p).is_file() else (ROOT / p).rglob("*"))]
+        assert files, (match.group(0), paths)
+        content = "".join(f.read_text(encoding="utf-8", errors="replace") for f in files if f.is_file())
+        for number in match.groups():
+            assert number in content, (match.group(0), number, paths)

@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-import uvicorn
+from conftest import uvicorn_server
 
 from dual_cache.serving import Scheduler
 from dual_cache.serving.server import create_app
@@ -18,30 +18,13 @@ from dual_cache.serving.server import create_app
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(embedded):
     model, tokenizer = embedded
     before = {t.name for t in threading.enumerate()}
     scheduler = Scheduler(model, tokenizer, cache_config={"budget": 64, "window": 16}, max_batch=8)
-    port = _free_port()
-    config = uvicorn.Config(create_app(scheduler, tokenizer, MODEL), host="127.0.0.1", port=port, log_level="warning")
-    instance = uvicorn.Server(config)
-    thread = threading.Thread(target=instance.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not instance.started:
-        assert time.time() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield port, scheduler
-    instance.should_exit = True
-    thread.join(30)
-    assert not thread.is_alive()
+    with uvicorn_server(create_app(scheduler, tokenizer, MODEL)) as port:
+        yield port, scheduler
     assert scheduler.metrics()["running_requests"] == 0
     leftover = {t.name for t in threading.enumerate()} - before
     assert not {n for n in leftover if n.startswith("dual-")}, leftover

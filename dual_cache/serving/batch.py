@@ -83,9 +83,12 @@ class DualBatch:
                 if row.prefilled == 0:
                     row.stored = row.prefilled = stored
             start = row.prefilled
-            end = min(start + self.config.prefill_chunk_size,
+            end = min(start + row.prefill_tokens(self.config.prefill_chunk_size),
                       row.prefix_end if start < row.prefix_end else row.prompt_len)
-            outputs = self._forward(cache, prompt[None, start:end], None, torch.arange(start, end)[None], 1)
+            outputs = self._forward(cache, prompt[None, start:end], None, torch.arange(start, end)[None],
+                                    0 if row.wants_prompt_logits else 1)  # 0: every position's (echo, logprobs)
+            if row.wants_prompt_logits:
+                row.take_prompt_logits(outputs.logits[0], start)
             cache.crop(0)  # sliding-window layers drop what falls out of their window
             row.prefilled = end
             if end == row.prefix_end:

@@ -8,8 +8,10 @@
 
 Reports output tokens/s (all output tokens / first arrival to last finish), time to first token and time per output
 token (p50 / p99, seconds) and the peak KV bytes on the device and in host memory, one row per system, to stdout
-and, with `--out`, to `<out>.json` / `<out>.md`. Every system gets the same prompts, arrival times and max_tokens;
-decoding is greedy.
+and to `<out>.json` / `<out>.md` (default: a new file under the git-ignored eval-results/bench-serve/). Every system
+gets the same prompts, arrival times and max_tokens; decoding is greedy. With `--repeats N` the systems run N rounds,
+in an order rotated each round (`eval/spread.py`); each row holds the medians of its runs, with `<field>_min` /
+`<field>_max`.
 """
 
 from __future__ import annotations
@@ -23,9 +25,13 @@ import time
 import torch
 
 from ..config import DualDecoderConfig
+from ..eval import spread
+from ..eval.outputs import default_out, write_rows_and_table
+from ..eval.spread import with_range
 from ..help_format import DefaultsHelpFormatter
 
 SYSTEMS = ("dual", "dense", "static", "generate-batch")
+TIMED = ("seconds", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
 
 
 def workload(args, vocab: int, special: set[int]) -> list[dict]:
@@ -192,14 +198,18 @@ def table(rows: list[dict], args) -> str:
     lines = [f"Serving benchmark: {args.requests} requests, Poisson arrivals at {args.rate}/s, {args.context}-token "
              f"prompts{' sharing all but their last 64 tokens' if args.shared_prefix else ''}, max_tokens uniform in "
              f"[{args.min_new}, {args.max_new}], greedy; max batch {args.max_batch}; cache config "
-             f"{json.dumps(_options(args.cache_config))}.", "",
+             f"{json.dumps(_options(args.cache_config))}. "
+             + (f"Median (min–max) of {args.repeats} runs per system, the systems interleaved."
+                if args.repeats > 1 else "One run per system: no spread (--repeats 3 before reading a ratio)."),
+             "",
              "| system | output tok/s | vs static | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) | peak device KV MiB | "
              "peak host KV MiB | rows per decode step | errors |", "|---|---|---|---|---|---|---|---|---|"]
     static = next((r["output_tokens_per_s"] for r in rows if r["system"] == "static"), None)
     for r in rows:
         ratio = f"{r['output_tokens_per_s'] / static:.2f}×" if static else "n/a"
         per_step = f"{r['output_tokens'] / r['decode_steps']:.1f}" if r.get("decode_steps") else "n/a"
-        lines.append(f"| {r['system']} | {r['output_tokens_per_s']:.2f} | {ratio} | {r['ttft_p50_s']:.2f} / "
+        lines.append(f"| {r['system']} | {with_range(r, 'output_tokens_per_s')} | {ratio} | "
+                     f"{with_range(r, 'ttft_p50_s')} / "
                      f"{r['ttft_p99_s']:.2f} | {r['tpot_p50_s']:.3f} / {r['tpot_p99_s']:.3f} | "
                      f"{_mib(r['peak_device_kv_bytes'])} | {_mib(r['peak_host_kv_bytes'])} | {per_step} | "
                      f"{r['errors']} |")
@@ -233,12 +243,17 @@ def add_parser(sub) -> None:
                         "DualDecoderConfig's defaults)")
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS, help="systems to run, in order")
     p.add_argument("--seed", type=int, default=0, help="picks the prompts, arrival times and max_tokens")
-    p.add_argument("--out", default=None, help="output path without extension (.json and .md)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds of every system, in an order rotated each round; rows report the median and the "
+                        "min-max (one run takes minutes: 1 by default, 3 before reading a ratio)")
+    p.add_argument("--out", default=None,
+                   help="output path without extension, writes .json and .md (default: a new "
+                        "eval-results/bench-serve/<time>; results/ only when --out names it)")
     p.set_defaults(func=cmd_bench_serve)
 
 
 def cmd_bench_serve(args) -> int:
-    problems = [f"--{n.replace('_', '-')} must be >= 1" for n in ("requests", "min_new", "max_batch")
+    problems = [f"--{n.replace('_', '-')} must be >= 1" for n in ("requests", "min_new", "max_batch", "repeats")
                 if getattr(args, n) < 1]
     if args.max_new < args.min_new:
         problems.append("--max-new must be >= --min-new")
@@ -260,27 +275,29 @@ def cmd_bench_serve(args) -> int:
     model.generate(warm, max_new_tokens=2, do_sample=False)
     model.generate(warm, max_new_tokens=2, do_sample=False, cache_implementation="dual",
                    cache_config=args.cache_config)
-    rows = []
-    for system in args.systems:
-        try:
-            if system in ("dual", "dense"):
-                raw = run_scheduler(model, requests, args, dense=system == "dense")
-            elif system == "static":
-                raw = run_static(model, requests, args, tokenizer.pad_token_id or 0)
-            else:
-                raw = run_generate_batch(model, requests, args)
-        except Exception as error:  # noqa: BLE001 - a system that cannot run here is reported, not fatal
-            print(f"{system}: failed: {type(error).__name__}: {error}", file=sys.stderr)
-            continue
-        rows.append(summarize(system, raw))
-        print(json.dumps(rows[-1]), flush=True)
-    text = table(rows, args) + f"\n\nModel {model_display_name(args.model)}, {model.dtype}, on this host.\n"
+    runs: dict[str, list[dict]] = {system: [] for system in args.systems}
+    highest = spread.load_average()
+    for round_ in range(args.repeats):
+        for system in spread.rotated(args.systems, round_, group=lambda _: 0):
+            try:
+                if system in ("dual", "dense"):
+                    raw = run_scheduler(model, requests, args, dense=system == "dense")
+                elif system == "static":
+                    raw = run_static(model, requests, args, tokenizer.pad_token_id or 0)
+                else:
+                    raw = run_generate_batch(model, requests, args)
+            except Exception as error:  # noqa: BLE001 - a system that cannot run here is reported, not fatal
+                print(f"{system}: failed: {type(error).__name__}: {error}", file=sys.stderr)
+                continue
+            runs[system].append(summarize(system, raw))
+            print(json.dumps(runs[system][-1]), flush=True)
+            highest = max(highest, spread.load_average())
+    rows = [spread.merge_runs(runs[system], TIMED) for system in args.systems if runs[system]]
+    warning = spread.load_warning(highest)
+    text = (warning + "\n\n" if warning else "") + table(rows, args) + \
+        f"\n\nModel {model_display_name(args.model)}, {model.dtype}, on this host.\n"
     print(text)
-    if args.out:
-        with open(args.out + ".json", "w", encoding="utf-8") as handle:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("func", "cache_config")},
-                       "cache_config": _options(args.cache_config),
-                       "rows": rows}, handle, indent=2)
-        with open(args.out + ".md", "w", encoding="utf-8") as handle:
-            handle.write(text)
+    record = {"args": {k: v for k, v in vars(args).items() if k not in ("func", "cache_config")},
+              "cache_config": _options(args.cache_config), "rows": rows}
+    print("wrote " + ", ".join(write_rows_and_table(args.out or default_out("bench-serve"), record, text)))
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..config import DualDecoderConfig
+from ..extras import require
 from ..help_format import DefaultsHelpFormatter
 from ..models import NAMED_MODELS
 
@@ -42,6 +43,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_serve(args) -> int:
+    require("serve", "`dual-decoder serve`")
     import uvicorn
 
     from ..models import load_model, model_display_name

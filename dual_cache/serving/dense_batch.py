@@ -35,10 +35,10 @@ class DenseBatch:
         self.mask: torch.Tensor | None = None
         self.spec_hits = self.spec_steps = 0  # no speculation
 
-    def _forward(self, cache: DynamicCache, tokens, mask, positions):
+    def _forward(self, cache: DynamicCache, tokens, mask, positions, keep: int = 1):
         return self.model(input_ids=tokens.to(self.device), attention_mask=None if mask is None else
                           mask.to(self.device), position_ids=positions.to(self.device),
-                          use_cache=True, logits_to_keep=1, **{self.cache_arg: cache})
+                          use_cache=True, logits_to_keep=keep, **{self.cache_arg: cache})
 
     def prefill_chunk(self, row: Row) -> str:
         """Feed the row's next prompt chunk; after the last one pick and stream its first token. Returns "more" or
@@ -46,9 +46,12 @@ class DenseBatch:
         if row.cache is None:
             row.cache = DynamicCache(config=self.model.config)
         prompt, start = row.handle.prompt, row.prefilled
-        end = min(start + self.prefill_chunk_size, row.prompt_len)
+        end = min(start + row.prefill_tokens(self.prefill_chunk_size), row.prompt_len)
         with torch.inference_mode():
-            outputs = self._forward(row.cache, prompt[None, start:end], None, torch.arange(start, end)[None])
+            outputs = self._forward(row.cache, prompt[None, start:end], None, torch.arange(start, end)[None],
+                                    0 if row.wants_prompt_logits else 1)  # 0: every position's (echo, logprobs)
+            if row.wants_prompt_logits:
+                row.take_prompt_logits(outputs.logits[0], start)
         row.prefilled = end
         if end < row.prompt_len:
             return "more"

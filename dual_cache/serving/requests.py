@@ -12,6 +12,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from .logprobs import MAX_TOP, TokenLogprob
+
 _ids = itertools.count(1)
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -27,6 +29,12 @@ class GenerationOptions:
         top_p: nucleus sampling mass in (0, 1] (used when sampling).
         stop: strings that end the request when the generated text contains one (the text is cut before it).
         seed: seeds torch's generator when the request's batch starts (reproducible when it runs alone).
+        logprobs: record each generated token's log-probability with this many most likely alternatives (0 to
+            `MAX_TOP`) in `RequestHandle.token_logprobs`; None records nothing.
+        prompt_logprobs: record the log-probability of every prompt token after the first, with this many
+            alternatives, in `RequestHandle.prompt_logprobs` (computed from the prefill's logits at every position,
+            exact: the prefill attends densely); None records nothing. A session's or a cached prefix's stored tokens
+            are not prefilled, so such a request neither continues a session nor copies a cached prefix.
 
     Raises:
         ValueError: for a value out of range (at construction, before any work).
@@ -37,6 +45,8 @@ class GenerationOptions:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -52,6 +62,11 @@ class GenerationOptions:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**63):
             problems.append(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= MAX_TOP):
+                problems.append(f"{name} must be None or an integer in [0, {MAX_TOP}], got {value!r}")
         if problems:
             raise ValueError("; ".join(problems) + ".")
 
@@ -69,6 +84,8 @@ class RequestHandle:
         error: the message of a request that failed (`finish_reason == "error"`).
         arrived / first_token / finished: `time.perf_counter()` seconds (None until they happen).
         prefilled_tokens: tokens this request prefilled (fewer than the prompt when a session continued).
+        token_logprobs: one `TokenLogprob` per generated token when `options.logprobs` is set.
+        prompt_logprobs: one `TokenLogprob` per prompt token after the first when `options.prompt_logprobs` is set.
     """
 
     prompt: torch.Tensor
@@ -84,6 +101,8 @@ class RequestHandle:
     finished: float | None = None
     prefilled_tokens: int = 0
     cancel_requested: bool = False
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._events: queue.Queue = queue.Queue()

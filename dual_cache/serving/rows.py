@@ -10,10 +10,12 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from ..cache import DualDecoderCache
+from .logprobs import token_logprobs
 from .requests import RequestHandle
 from .sessions import Session
 
 
+PROMPT_LOGITS_CHUNK = 256  # prompt tokens per prefill forward when every position's logits are kept (prompt_logprobs)
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (dividing logits by them overflows); as vLLM does
 
 
@@ -87,11 +89,41 @@ class Row:
 
     def pick(self, logits: torch.Tensor) -> int:
         """The next token from `(V,)` float32 logits: argmax when greedy, else a sample after the request's
-        temperature and top-p (transformers' logits warpers, as `generate()` applies them)."""
+        temperature and top-p (transformers' logits warpers, as `generate()` applies them). With
+        `options.logprobs`, its log-probability under `logits` is recorded in `handle.token_logprobs`."""
         if self.generator is None:
-            return int(logits.argmax())
-        scores = self.processors(self.tokens[None], logits[None])
-        return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=self.generator))
+            token = int(logits.argmax())
+        else:
+            scores = self.processors(self.tokens[None], logits[None])
+            token = int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=self.generator))
+        top = self.handle.options.logprobs
+        if top is not None:
+            self.handle.token_logprobs += token_logprobs(logits[None], torch.tensor([token]), top)
+        return token
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Whether its prefill must keep the logits of every prompt position (`options.prompt_logprobs`)."""
+        return self.handle.options.prompt_logprobs is not None
+
+    def prefill_tokens(self, chunk: int) -> int:
+        """Prompt tokens its next prefill forward may take: `chunk`, or at most `PROMPT_LOGITS_CHUNK` when every
+        position's logits are kept (a `(tokens, vocabulary)` tensor)."""
+        return min(chunk, PROMPT_LOGITS_CHUNK) if self.wants_prompt_logits else chunk
+
+    def take_prompt_logits(self, logits: torch.Tensor, start: int) -> None:
+        """Record the prompt tokens' log-probabilities from one prefill chunk's logits.
+
+        Args:
+            logits: `(n, V)` logits of prompt positions `start .. start + n - 1`; position `i` predicts prompt token
+                `i + 1` (the last position of the prompt predicts the first generated token: not recorded here).
+            start: the chunk's first position.
+        """
+        prompt = self.handle.prompt
+        n = min(logits.shape[0], prompt.numel() - 1 - start)
+        if n > 0:
+            self.handle.prompt_logprobs += token_logprobs(logits[:n], prompt[start + 1:start + 1 + n],
+                                                          self.handle.options.prompt_logprobs)
 
     def emit(self, token: int, decode: Callable[[list[int]], str] | None, eos_ids: set[int]) -> None:
         """Take a new token: stream it to the client, then finish the request if it stops here."""

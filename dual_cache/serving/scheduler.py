@@ -138,7 +138,7 @@ class Scheduler:
 
         Raises:
             ValueError: empty or non-integer ids, a prompt + max_tokens past the model's positions, a session on
-                the dense server. RuntimeError: the scheduler was stopped.
+                the dense server or asking for its prompt's logprobs. RuntimeError: the scheduler was stopped.
         """
         options = options or GenerationOptions()
         ids = torch.as_tensor(input_ids)
@@ -152,6 +152,9 @@ class Scheduler:
                              f"model's {self.max_positions} positions; shorten the prompt or lower max_tokens.")
         if session is not None and (self.dense or not isinstance(session, str) or not session):
             raise ValueError("session must be a non-empty string, and sessions need the dual cache (not --dense).")
+        if session is not None and options.prompt_logprobs is not None:
+            raise ValueError("A session request cannot return its prompt's logprobs (echo): the session's stored "
+                             "tokens are not prefilled again.")
         handle = RequestHandle(ids.to(torch.long).cpu(), options, session, on_event)
         with self._cond:
             if self._stopping:
@@ -249,7 +252,8 @@ class Scheduler:
         if self._prefilling:
             row = self._prefilling[0]
             try:
-                if self.prefix_block and row.cache is None and row.prefilled == 0:  # its prefill starts now, after
+                if self.prefix_block and row.cache is None and row.prefilled == 0 and not row.wants_prompt_logits:
+                    # its prefill starts now (a request asking for its prompt's logprobs prefills it all), after
                     # the requests before it added their prefixes: copy the longest one its prompt starts with
                     with self._cond:
                         others = [h.prompt for h in self._queue] + [r.handle.prompt for r in self._prefilling[1:]]

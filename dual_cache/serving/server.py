@@ -2,93 +2,89 @@
 
     dual-decoder serve --model smollm2-135m --port 8000 --cache-config '{"budget": 256}'
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions` (OpenAI's request and response shapes; `stream: true`
-sends server-sent events ending `data: [DONE]`; the extra field `session` names a conversation whose cache idles in
-host memory between requests), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text). A bad request gets
-a 400 JSON error in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`) before any work; a client
-that disconnects cancels its request; the scheduler stops with the server (SIGINT / SIGTERM via uvicorn).
+Routes: `POST /v1/completions` (every OpenAI prompt form: a string, a list of strings, token ids, a list of token-id
+lists; one choice per prompt), `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`, `GET /metrics`
+(Prometheus text). `logprobs` returns each generated token's log-probability with its most likely alternatives;
+`echo` returns the prompt before the completion, with its tokens' log-probabilities from the prefill (exact);
+`max_tokens: 0` with `echo` scores a prompt alone. `stream: true` sends server-sent events ending `data: [DONE]`
+(`stream_options.include_usage` adds a usage chunk); the extra field `session` names a conversation whose cache
+idles in host memory between requests. Request bodies are validated strictly before any work (`protocol.py`); every
+error, 404 / 405 / 422 / 500 included, is OpenAI's `{"error": {"message", "type", "param", "code"}}`. A client that
+disconnects cancels its requests; the scheduler stops with the server (SIGINT / SIGTERM via uvicorn).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 import time
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from ..extras import require
 
-from .requests import GenerationOptions, RequestHandle
-from .scheduler import Scheduler
+require("serve", "dual_cache.serving.server (`dual-decoder serve`)")
 
+import torch  # noqa: E402 - after the check that names the extra
+from fastapi import FastAPI, Request  # noqa: E402
+from fastapi.exceptions import RequestValidationError  # noqa: E402
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse  # noqa: E402
+from starlette.exceptions import HTTPException  # noqa: E402
+
+from .openai_format import chat_logprobs, completion_logprobs, error_body, usage  # noqa: E402
+from .prometheus import prometheus_text  # noqa: E402
+from .protocol import ChatBody, CompletionBody  # noqa: E402
+from .requests import RequestHandle  # noqa: E402
+from .scheduler import Scheduler  # noqa: E402
+from .text_stream import TextStream  # noqa: E402
+
+logger = logging.getLogger(__name__)
 POLL_S = 0.25  # how often a waiting handler checks that its client is still connected
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields this server does not use
+@dataclass
+class Prompt:
+    """One prompt of a request: its token ids `(P,)` int64 and, when it was given as text, that text (echoed)."""
 
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    n: Literal[1] = 1
-    session: str | None = Field(default=None, min_length=1)
-
-    def options(self) -> GenerationOptions:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return GenerationOptions(max_tokens=self.max_completion_tokens or self.max_tokens or 16,
-                                 temperature=self.temperature, top_p=self.top_p, stop=tuple(stop), seed=self.seed)
-
-
-class CompletionBody(_Body):
-    prompt: str
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
-
-
-class ChatBody(_Body):
-    messages: list[Message] = Field(min_length=1)
+    ids: torch.Tensor
+    text: str | None = None
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": "invalid_request_error"
-                                                               if status < 500 else "server_error",
-                                                               "param": param, "code": None}})
+    return JSONResponse(status_code=status, content=error_body(status, message, param))
 
 
-class TextStream:
-    """Incremental detokenization of one request: the text that is safe to send after each token (no half
-    UTF-8 character, nothing that could still become a stop string), and the final text cut before a stop."""
+def _validation_message(error: dict) -> tuple[str, str | None]:
+    """`(message, param)` of pydantic's first error, in words a client understands."""
+    if error.get("type") == "json_invalid":
+        return f"The request body is not valid JSON ({error.get('ctx', {}).get('error', 'parse error')}).", None
+    ctx = error.get("ctx") or {}
+    where = ".".join(str(p) for p in error.get("loc", ())[1:]) or None
+    if "param" in ctx:  # protocol.py's own refusals carry the field they name
+        return error.get("msg", "invalid request"), ctx["param"]
+    if isinstance(error.get("input"), bool) and error.get("type") in ("int_type", "float_type"):
+        kind = "an integer" if error["type"] == "int_type" else "a number"
+        return f"{where}: expected {kind}, got a boolean ({json.dumps(error['input'])}).", where
+    if error.get("type") == "extra_forbidden":
+        return f"Unsupported field {where}: this server does not implement it (docs/serving.md).", where
+    return f"{where + ': ' if where else ''}{error.get('msg', 'invalid request')}", where
 
-    def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
-        self.tokenizer, self.stop = tokenizer, stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
-        self.sent = 0
 
-    def text(self, token_ids: list[int]) -> str:
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
-        return text if cut < 0 else text[:cut]
-
-    def delta(self, token_ids: list[int], final: bool) -> str:
-        text = self.text(token_ids)
-        end = len(text) if final else max(self.sent, len(text) - self.hold)
-        if not final and text[self.sent:end].endswith("\ufffd"):
-            end = self.sent
-        piece, self.sent = text[self.sent:end], max(self.sent, end)
-        return piece
+def _guarded(route):
+    """A route whose unexpected exceptions become a 500 error object (logged), answered on the route's own
+    connection: Starlette's handler for `Exception` answers too but then re-raises, and the server drops the
+    connection a client may be reusing."""
+    @functools.wraps(route)
+    async def guarded(*args, **kwargs):
+        try:
+            return await route(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - a bug; the client gets JSON and the log the traceback
+            logger.exception("request failed")
+            return _error(500, f"Internal error: {type(error).__name__}: {error}")
+    return guarded
 
 
 def create_app(scheduler: Scheduler, tokenizer, model_name: str) -> FastAPI:
@@ -98,6 +94,7 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str) -> FastAPI:
         scheduler: a running `Scheduler`; tokenizer: the model's (prompts, chat template, detokenization);
         model_name: the id `/v1/models` lists and responses carry.
     """
+    vocab = scheduler.model.config.get_text_config(decoder=True).vocab_size
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -108,11 +105,18 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0] if error.errors() else {}
-        if first.get("type") == "json_invalid":
-            return _error(400, f"The request body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')}).")
-        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return _error(400, f"{where + ': ' if where else ''}{first.get('msg', 'invalid request')}", where)
+        message, param = _validation_message(error.errors()[0] if error.errors() else {})
+        return _error(400, message, param)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, error: HTTPException) -> JSONResponse:  # 404, 405, ...
+        return JSONResponse(status_code=error.status_code, headers=getattr(error, "headers", None),
+                            content=error_body(error.status_code, f"{request.method} {request.url.path}: "
+                                                                  f"{error.detail}"))
+
+    @app.exception_handler(Exception)
+    async def _failed(request: Request, error: Exception) -> JSONResponse:  # outside the routes (see _guarded)
+        return _error(500, f"Internal error: {type(error).__name__}: {error}")
 
     @app.get("/health")
     async def health() -> dict:
@@ -128,47 +132,65 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str) -> FastAPI:
         return PlainTextResponse(prometheus_text(scheduler.metrics()), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
+    @_guarded
     async def completions(body: CompletionBody, request: Request):
-        ids = tokenizer(body.prompt, return_tensors="pt").input_ids[0]
-        return await _serve(request, body, ids, chat=False)
+        prompts = []
+        for i, prompt in enumerate(body.prompt):
+            where = "prompt" if len(body.prompt) == 1 else f"prompt[{i}]"
+            if isinstance(prompt, str):
+                ids = tokenizer(prompt, return_tensors="pt").input_ids[0]
+                if not ids.numel():
+                    return _error(400, f"{where} has no tokens: give text the tokenizer encodes.", "prompt")
+                prompts.append(Prompt(ids, prompt))
+            else:
+                bad = [t for t in prompt if not 0 <= t < vocab]
+                if bad:
+                    return _error(400, f"{where}: token ids must be in [0, {vocab}), got {bad[:5]}.", "prompt")
+                prompts.append(Prompt(torch.tensor(prompt, dtype=torch.long)))
+        return await _serve(request, body, prompts, chat=False)
 
     @app.post("/v1/chat/completions")
+    @_guarded
     async def chat(body: ChatBody, request: Request):
         if not getattr(tokenizer, "chat_template", None):
             return _error(400, f"{model_name} has no chat template: send a prompt to /v1/completions instead.",
                           "messages")
-        messages = [m.model_dump() for m in body.messages]
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                             return_dict=True)["input_ids"][0]
-        return await _serve(request, body, ids, chat=True)
+        return await _serve(request, body, [Prompt(ids)], chat=True)
 
-    async def _serve(request: Request, body: _Body, ids, chat: bool):
+    async def _serve(request: Request, body: CompletionBody | ChatBody, prompts: list[Prompt], chat: bool):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
-        def on_event(event: tuple) -> None:
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:  # the event loop closed (shutdown)
-                pass
+        def listener(index: int):
+            def on_event(event: tuple) -> None:
+                try:
+                    loop.call_soon_threadsafe(events.put_nowait, (index, event))
+                except RuntimeError:  # the event loop closed (shutdown)
+                    pass
+            return on_event
 
+        options = body.options()
+        handles: list[RequestHandle] = []
         try:
-            options = body.options()
-            handle = scheduler.add_request(ids, options, session=body.session, on_event=on_event)
-        except ValueError as error:
-            return _error(400, str(error))
-        except RuntimeError as error:
-            return _error(503, str(error))
-        stream = TextStream(tokenizer, options.stop)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{handle.id}"
+            for i, prompt in enumerate(prompts):
+                handles.append(scheduler.add_request(prompt.ids, options, session=body.session,
+                                                     on_event=listener(i)))
+        except (ValueError, RuntimeError) as error:
+            for handle in handles:
+                scheduler.cancel(handle)
+            return _error(400 if isinstance(error, ValueError) else 503, str(error),
+                          "prompt" if "prompt" in str(error) else None)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{handles[0].id}"
         created = int(time.time())
-        kind = "chat.completion" if chat else "text_completion"
         if body.stream:
-            return StreamingResponse(_sse(request, handle, events, stream, rid, created, kind, chat),
+            return StreamingResponse(_sse(request, body, handles, events, rid, created, chat),
                                      media_type="text/event-stream")
         try:
             check_at = loop.time() + POLL_S
-            while not handle.done or not events.empty():
+            while not all(h.done for h in handles) or not events.empty():
                 try:
                     await asyncio.wait_for(events.get(), POLL_S)
                 except asyncio.TimeoutError:
@@ -176,103 +198,97 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str) -> FastAPI:
                 if loop.time() >= check_at:  # also while tokens keep coming (a step is shorter than POLL_S)
                     check_at = loop.time() + POLL_S
                     if await request.is_disconnected():
-                        scheduler.cancel(handle)
                         return _error(499, "client disconnected")
         finally:
-            if not handle.done:
-                scheduler.cancel(handle)
-        if handle.finish_reason == "error":
-            return _error(500, handle.error or "generation failed")
-        text = stream.text(handle.token_ids)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": _reason(handle)}
+            for handle in handles:
+                if not handle.done:
+                    scheduler.cancel(handle)
+        failed = next((h for h in handles if h.finish_reason == "error"), None)
+        if failed is not None:
+            return _error(500, failed.error or "generation failed")
+        choices = [_choice(body, i, handle, prompt, chat) for i, (handle, prompt) in enumerate(zip(handles, prompts))]
+        returned = sum(len(_returned(body, h)) for h in handles)
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": model_name, "choices": choices,
+                "usage": usage(sum(int(h.prompt.numel()) for h in handles), returned)}
+
+    def _choice(body, index: int, handle: RequestHandle, prompt: Prompt, chat: bool) -> dict[str, Any]:
+        tokens = _returned(body, handle)
+        text = TextStream(tokenizer, handle.options.stop).text(tokens)
+        reason = "length" if not chat and body.max_tokens == 0 else _reason(handle)
         if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice.update(text=text, logprobs=None)
-        return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice],
-                "usage": _usage(handle)}
+            return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+                    "logprobs": chat_logprobs(tokenizer, handle.token_logprobs[:len(tokens)], body.top_logprobs or 0)
+                    if body.logprobs else None}
+        echoed = prompt.text if prompt.text is not None else tokenizer.decode(prompt.ids)
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = completion_logprobs(tokenizer, prompt.ids.tolist() if body.echo else None,
+                                           handle.prompt_logprobs, handle.token_logprobs[:len(tokens)])
+        return {"index": index, "text": (echoed if body.echo else "") + text, "logprobs": logprobs,
+                "finish_reason": reason}
 
-    async def _sse(request, handle: RequestHandle, events, stream: TextStream, rid, created, kind, chat):
-        chunk_kind = kind + ".chunk" if chat else kind
+    async def _sse(request, body, handles: list[RequestHandle], events, rid, created, chat):
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        streams = [TextStream(tokenizer, h.options.stop) for h in handles]
 
-        def chunk(delta: str | None, reason: str | None, first: bool = False) -> str:
+        def chunk(index: int, delta: str | None, reason: str | None, first: bool = False) -> str:
             if chat:
                 piece = {"role": "assistant", "content": ""} if first else ({} if delta is None else
                                                                             {"content": delta})
-                choice = {"index": 0, "delta": piece, "finish_reason": reason}
+                choice = {"index": index, "delta": piece, "finish_reason": reason, "logprobs": None}
             else:
-                choice = {"index": 0, "text": delta or "", "finish_reason": reason, "logprobs": None}
-            return "data: " + json.dumps({"id": rid, "object": chunk_kind, "created": created, "model": model_name,
-                                          "choices": [choice]}) + "\n\n"
+                choice = {"index": index, "text": delta or "", "finish_reason": reason, "logprobs": None}
+            data = {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice]}
+            if include_usage:
+                data["usage"] = None
+            return "data: " + json.dumps(data) + "\n\n"
 
         try:
             if chat:
-                yield chunk(None, None, first=True)
-            while True:
+                yield chunk(0, None, None, first=True)
+            open_ = set(range(len(handles)))
+            while open_:
                 try:
-                    kind_, _ = await asyncio.wait_for(events.get(), POLL_S)
+                    index, (event, _) = await asyncio.wait_for(events.get(), POLL_S)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
                         return
                     continue
-                if kind_ == "token":
-                    piece = stream.delta(handle.token_ids, final=False)
+                handle = handles[index]
+                if event == "token":
+                    piece = streams[index].delta(handle.token_ids, final=False)
                     if piece:
-                        yield chunk(piece, None)
+                        yield chunk(index, piece, None)
                     continue
                 if handle.finish_reason == "error":
-                    yield "data: " + json.dumps({"error": {"message": handle.error, "type": "server_error"}}) + "\n\n"
-                else:
-                    piece = stream.delta(handle.token_ids, final=True)
-                    if piece:
-                        yield chunk(piece, None)
-                    yield chunk(None, _reason(handle))
-                yield "data: [DONE]\n\n"
-                return
+                    yield "data: " + json.dumps(error_body(500, handle.error or "generation failed")) + "\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                piece = streams[index].delta(handle.token_ids, final=True)
+                if piece:
+                    yield chunk(index, piece, None)
+                yield chunk(index, None, _reason(handle))
+                open_.discard(index)
+            if include_usage:
+                total = usage(sum(int(h.prompt.numel()) for h in handles), sum(len(h.token_ids) for h in handles))
+                yield "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model_name,
+                                             "choices": [], "usage": total}) + "\n\n"
+            yield "data: [DONE]\n\n"
         finally:  # the client went away (or the stream ended): free its rows
-            if not handle.done:
-                scheduler.cancel(handle)
+            for handle in handles:
+                if not handle.done:
+                    scheduler.cancel(handle)
 
     return app
 
 
+def _returned(body, handle: RequestHandle) -> list[int]:
+    """The generated tokens a choice returns (none for a completion with max_tokens 0: its one token is dropped)."""
+    limit = body.max_tokens if isinstance(body, CompletionBody) and body.max_tokens is not None else None
+    return handle.token_ids if limit is None else handle.token_ids[:limit]
+
+
 def _reason(handle: RequestHandle) -> str:
     return "length" if handle.finish_reason == "length" else "stop"
-
-
-def _usage(handle: RequestHandle) -> dict:
-    prompt, completion = int(handle.prompt.numel()), len(handle.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-PROMETHEUS = {  # metric: (scheduler.metrics() key, type, help)
-    "dual_requests_running": ("running_requests", "gauge", "Requests decoding now"),
-    "dual_requests_queued": ("queued_requests", "gauge", "Requests waiting for admission"),
-    "dual_requests_total": ("requests", "counter", "Requests received"),
-    "dual_requests_finished_total": ("finished", "counter", "Requests finished (any reason)"),
-    "dual_requests_cancelled_total": ("cancelled", "counter", "Requests cancelled (client gone, or stopped)"),
-    "dual_output_tokens_total": ("output_tokens", "counter", "Tokens generated by finished requests"),
-    "dual_prefilled_tokens_total": ("prefilled_tokens", "counter", "Prompt tokens prefilled"),
-    "dual_prefix_hit_tokens_total": ("prefix_hit_tokens", "counter",
-                                     "Prompt tokens copied from the prefix cache instead of prefilled"),
-    "dual_cached_prefixes": ("cached_prefixes", "gauge", "Prefixes held by the prefix cache"),
-    "dual_decode_steps_total": ("decode_steps", "counter", "Decode steps of the running batch"),
-    "dual_regroups_total": ("regroups", "counter", "Times rows joined or left the running batch"),
-    "dual_tokens_per_second": ("tokens_per_second", "gauge", "Output tokens per second, recent window"),
-    "dual_device_bytes": ("device_bytes", "gauge", "KV bytes on the compute device"),
-    "dual_host_bytes": ("host_bytes", "gauge", "KV and index bytes in host memory"),
-    "dual_sessions": ("sessions", "gauge", "Sessions known"),
-    "dual_sessions_idle": ("idle_sessions", "gauge", "Sessions idle in host memory"),
-    "dual_sessions_evicted_total": ("evicted_sessions", "counter", "Idle sessions evicted"),
-    "dual_session_resumes_total": ("session_resumes", "counter", "Requests that continued a session's cache"),
-    "dual_speculation_hit_rate": ("spec_hit_rate", "gauge", "Speculated tokens equal to the real ones"),
-}
-
-
-def prometheus_text(values: dict[str, float]) -> str:
-    """Prometheus text exposition (format 0.0.4) of `Scheduler.metrics()`."""
-    lines = []
-    for name, (key, kind, text) in PROMETHEUS.items():
-        value = float(values[key])
-        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {'NaN' if value != value else value!r}"]
-    return "\n".join(lines) + "\n"

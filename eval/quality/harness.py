@@ -29,6 +29,10 @@ Resume key: (dataset, task, method, budget, length, sample, model).
 
 from __future__ import annotations
 
+from ...extras import require
+
+require("eval", "`dual-decoder eval`")
+
 import json
 import os
 import sys

@@ -16,6 +16,10 @@ newline and generates at least one token, as `pred.py` does. Metrics: `metrics/l
 
 from __future__ import annotations
 
+from ...extras import require
+
+require("eval", "LongBench (dual_cache.eval.quality.longbench)")
+
 import os
 
 from .chat_format import PLAIN, PromptFormat, encode

@@ -22,7 +22,7 @@ from ...help_format import DefaultsHelpFormatter
 from ...models import model_display_name
 from .methods import cache_config
 from .needle import format_chat, make_needle_prompt
-from ..outputs import write_rows_and_table
+from ..outputs import default_out, write_rows_and_table
 
 METHODS = ("dense", "dual", "dual-no-drift", "dual-no-repair", "dual-none", "dual-exact", "dual-lowbit",
            "oracle")  # names of eval/quality/methods.py's registry
@@ -139,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
                              "'{\"lowbit_factor\": 8}' (default: none)")
     parser.add_argument("--model", default=None, help="named model (gemma3-270m, smollm2-135m), folder or .gguf "
                         "(default: the embedded SmolLM2-135M)")
-    parser.add_argument("--out", default=None, help="output path without extension (writes .jsonl and .md)")
+    parser.add_argument("--out", default=None,
+                        help="output path without extension, writes .jsonl and .md (default: a new "
+                             "eval-results/needle/<time>; results/ only when --out names it)")
     args = parser.parse_args(argv)
     try:
         seeds = parse_seeds(args.seeds)
@@ -166,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.options:
         table = table.replace("\n", f" Dual options: `{json.dumps(args.options)}`.\n", 1)
     print(table)
-    if args.out:
-        write_rows_and_table(args.out, rows, table, jsonl=True)
+    paths = write_rows_and_table(args.out or default_out("needle"), rows, table, jsonl=True)
+    print("wrote " + ", ".join(paths))
     return 0
 
 

@@ -40,6 +40,10 @@ RULER switches to its `english_words.json`. `template="simple"` is an opt-in, no
 
 from __future__ import annotations
 
+from ...extras import require
+
+require("eval", "RULER (dual_cache.eval.quality.ruler)")
+
 import json
 import os
 import random

@@ -44,7 +44,8 @@ from ...help_format import DefaultsHelpFormatter
 from ...host_store import HostKVStore, advise_huge_pages
 from ...retrieval import select as torch_select
 from ...selectors import SELECTORS, Candidates
-from ..outputs import write_rows_and_table
+from ..outputs import default_out, write_rows_and_table
+from ..spread import load_average, load_warning
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PREFETCHED = [name for name, cls in SELECTORS.items() if cls.prefetched]
@@ -140,7 +141,8 @@ def measure(context: int, batch: int, selector_names: list[str], pool: int, args
         executor.shutdown()
     rows = []
     for name in selector_names:
-        per_step = statistics.median(times[name]) * args.layers / len(stores)
+        scale = args.layers / len(stores)
+        per_step = statistics.median(times[name]) * scale
         scanned, gathered = selectors[name][0].key_bytes_read(context - args.window)
         read = stored * scanned + batch * gathered  # a shared prefix is scanned once for the whole batch
         index_bytes = selectors[name][0].host_bytes
@@ -148,6 +150,8 @@ def measure(context: int, batch: int, selector_names: list[str], pool: int, args
             "context": context, "batch": batch, "selector": name, "pool": pool,
             "torch_threads": torch.get_num_threads() if pool == 1 else 1,
             "ms_per_step": per_step * 1e3, "ms_per_layer": per_step * 1e3 / args.layers,
+            "ms_per_step_min": min(times[name]) * scale * 1e3, "ms_per_step_max": max(times[name]) * scale * 1e3,
+            "repeats": len(times[name]),
             "key_mib_read_per_step": read * args.layers / 2**20,
             "index_host_bytes": index_bytes, "index_fraction": index_bytes / stores[0].nbytes,
             "build_ms_per_1k_tokens": build[name] * 1e3 / len(stores) / stored / (context / 1000),
@@ -178,8 +182,8 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
         f"{'; the batch shares one stored prefix of `context` tokens' if args.shared_prefix else ''}. Selectors "
         "timed side by side, in a rotating order per step. pool = retrieval threads (1: one thread at "
         f"{rows[0]['torch_threads'] if rows[0]['pool'] == 1 else 'torch default'} intra-op threads; N > 1: one "
-        "intra-op thread each).", "",
-        "| context | batch | selector | pool | ms/layer | ms/step | key MiB read/step | index / KV | build ms per 1K "
+        f"intra-op thread each). Times: the median (min–max) of {rows[0]['repeats']} steps per selector.", "",
+        "| context | batch | selector | pool | ms/layer | ms/step (min–max) | key MiB read/step | index / KV | build ms per 1K "
         "tokens·layer | GB/s read (host GB/s) | exact / this |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -189,7 +193,8 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
         ratio = f"{base / r['ms_per_step']:.1f}×" if base else "—"
         lines.append(
             f"| {r['context']} | {r['batch']} | {r['selector']} | {r['pool']} | {_num(r['ms_per_layer'])} | "
-            f"{_num(r['ms_per_step'])} | {_num(r['key_mib_read_per_step'])} | {r['index_fraction']:.1%} | "
+            f"{_num(r['ms_per_step'])} ({_num(r['ms_per_step_min'])}–{_num(r['ms_per_step_max'])}) | "
+            f"{_num(r['key_mib_read_per_step'])} | {r['index_fraction']:.1%} | "
             f"{_num(r['build_ms_per_1k_tokens'])} | {r['effective_gbps']:.1f} ({r['host_read_gbps']:.1f}) | {ratio} |"
         )
     pools = sorted({r["pool"] for r in rows})
@@ -226,13 +231,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="stored K/V dtype")
     parser.add_argument("--sink", type=int, default=4, help="sink tokens (never selected)")
     parser.add_argument("--window", type=int, default=64, help="local window (never selected)")
-    parser.add_argument("--repeats", type=int, default=10, help="timed steps per cell (after one warm-up)")
+    parser.add_argument("--repeats", type=int, default=10,
+                        help="timed steps per cell (after one warm-up), the selectors in a rotating order each step; "
+                             "rows report the median and the min-max")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op and engine threads per call at pool 1 (default: torch's)")
     parser.add_argument("--shared-prefix", action="store_true",
                         help="the batch continues one stored sequence of `context` tokens (kept once; every query is "
                              "scored against it in one product)")
-    parser.add_argument("--out", default=None, help="output path without extension (writes .json and .md)")
+    parser.add_argument("--out", default=None,
+                        help="output path without extension, writes .json and .md (default: a new "
+                             "eval-results/bench-retrieval/<time>; results/ only when --out names it)")
     args = parser.parse_args(argv)
     problems = [f"--{name.replace('_', '-')} must be >= 1" for name in
                 ("budget", "heads", "kv_heads", "head_dim", "layers", "repeats", "distinct_layers")
@@ -261,16 +270,21 @@ def main(argv: list[str] | None = None) -> int:
     args.bandwidth = {threads: host_read_gbps(threads)
                       for threads in {*(p for p in args.pools if p > 1), torch.get_num_threads()}}
     rows = []
+    highest = load_average()
     for context in args.contexts:
         for batch in args.batches:
             for pool in args.pools:
                 for row in measure(context, batch, list(dict.fromkeys(args.selectors)), pool, args):
                     rows.append(row)
                     print(json.dumps(row), flush=True)
+                highest = max(highest, load_average())
     table = markdown(rows, args)
+    warning = load_warning(highest)
+    if warning:
+        table = warning + "\n\n" + table
     print(table)
-    if args.out:
-        write_rows_and_table(args.out, rows, table)
+    paths = write_rows_and_table(args.out or default_out("bench-retrieval"), rows, table)
+    print("wrote " + ", ".join(paths))
     return 0
 
 

@@ -36,7 +36,7 @@ from ...retrieval import group_attention_mass
 from ...selectors import SELECTORS, Candidates
 from ..quality.needle import format_chat, make_needle_prompt
 from ..quality.needle_sweep import load_tool_model, parse_seeds, threads_arg
-from ..outputs import write_rows_and_table
+from ..outputs import default_out, write_rows_and_table
 
 RECORDER = "dual_recall_recorder"
 _recording: dict | None = None  # layer -> (queries, keys, scaling) of the last chunk, while recording
@@ -142,7 +142,9 @@ def add_recording_arguments(parser: argparse.ArgumentParser, seeds: str = "0-3")
     parser.add_argument("--skip-layers", type=int, default=2, help="leave out the first layers (larger budget)")
     parser.add_argument("--threads", type=threads_arg, default=None, help="torch intra-op threads")
     parser.add_argument("--model", default=None, help="named model (gemma3-270m), folder or .gguf (default: embedded)")
-    parser.add_argument("--out", default=None, help="output path without extension (writes .json and .md)")
+    parser.add_argument("--out", default=None,
+                        help="output path without extension, writes .json and .md (default: a new "
+                             "eval-results/recall/<time>; results/ only when --out names it)")
 
 
 def check_recording_arguments(args: argparse.Namespace) -> list[int]:
@@ -222,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
               for r in rows]
     table = "\n".join(lines) + "\n"
     print(table)
-    if args.out:
-        write_rows_and_table(args.out, rows, table)
+    paths = write_rows_and_table(args.out or default_out("recall"), rows, table)
+    print("wrote " + ", ".join(paths))
     return 0
 
 

@@ -29,7 +29,7 @@ from ...cache import DualDecoderCache
 from ...help_format import DefaultsHelpFormatter
 from ..quality.needle import NEEDLE_WORDS, reference_document
 from ..quality.needle_sweep import load_tool_model, threads_arg
-from ..outputs import write_rows_and_table
+from ..outputs import default_out, write_rows_and_table
 
 NEW_TOKENS = 24
 
@@ -183,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="picks the document, the needles and their numbers")
     parser.add_argument("--model", default=None, help="named model, folder or .gguf (default: the embedded smollm2-135m)")
     parser.add_argument("--threads", type=threads_arg, default=None, help="torch intra-op threads")
-    parser.add_argument("--out", default=None, help="output path without extension (writes .json and .md)")
+    parser.add_argument("--out", default=None,
+                        help="output path without extension, writes .json and .md (default: a new "
+                             "eval-results/agentic/<time>; results/ only when --out names it)")
     args = parser.parse_args(argv)
     if not 1 <= args.questions <= len(NEEDLE_WORDS) or args.tokens < 1024 or args.budget < 1:
         print(f"error: --questions must be in 1..{len(NEEDLE_WORDS)}, --tokens >= 1024, --budget >= 1.",
@@ -196,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: v for k, v in row.items() if k != "texts"}), flush=True)
     table = markdown(rows, args)
     print(table)
-    if args.out:
-        write_rows_and_table(args.out, rows, table)
+    paths = write_rows_and_table(args.out or default_out("agentic"), rows, table)
+    print("wrote " + ", ".join(paths))
     return 0
 
 

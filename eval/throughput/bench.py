@@ -6,7 +6,9 @@ Run it as `dual-decoder bench ...` (see `bench_cli.py`) or `python -m dual_cache
 `bench_accounting.py` (cache bytes), `bench_capacity.py` (max-batch search), `bench_report.py` (tables, plots),
 `forced_miss.py` (the benchmark-only forced miss rate); this file runs a whole grid and holds the command line.
 
-Per cell (one `generate()` call of `batch` prompts of `context` tokens, `new_tokens` new tokens each) it records:
+Per cell (one `generate()` call of `batch` prompts of `context` tokens, `new_tokens` new tokens each; run `--repeats`
+times, round by round with the methods of a context and batch in a rotated order, the timings reported as the median
+of the runs with `<field>_min` / `<field>_max` beside it, `eval/spread.py`) it records:
 
 - `prefill_s`: seconds from `generate()` handing the prompt to the streamer to the first generated token;
 - `decode_tokens_per_s`: generated tokens per second summed over the batch, over the decode steps after the
@@ -56,10 +58,15 @@ import torch
 
 from ...cache import available_host_bytes
 from .bench_capacity import GIB, MemoryLimits, apply_device_cap, find_max_batch
+from .. import spread
 from .bench_cell import run_cell
 from .bench_grid import ALL_METHODS, CPU_LINEARS, BenchGrid, skipped_methods
 from .bench_models import NAMED_MODELS, PromptSource, load_bench_model, weight_bytes
+from ..outputs import default_out
 from .cpu_linear import gemm_linears
+
+
+TIMED = ("prefill_s", "decode_tokens_per_s", "ms_per_step", "overlap_ratio", "wait_seconds")  # vary between runs
 
 
 @dataclass
@@ -74,8 +81,9 @@ class BenchResult:
 
 def run_bench(model, tokenizer, grid: BenchGrid, limits: MemoryLimits | None = None, model_name: str = "",
               max_batch_cap: int = 256, max_cell_seconds: float | None = None, log: Callable[[str], None] = print,
-              on_progress: Callable[[BenchResult], None] | None = None, keep_going: bool = False) -> BenchResult:
-    """Measure every cell of `grid` on `model` (already loaded), then, with `limits`, each method's max batch.
+              on_progress: Callable[[BenchResult], None] | None = None, keep_going: bool = False,
+              repeats: int = 1) -> BenchResult:
+    """Measure every cell of `grid` on `model` (already loaded), with `limits` each method's max batch first.
 
     Args:
         tokenizer: None for random-weight models (random prompt ids).
@@ -87,7 +95,15 @@ def run_bench(model, tokenizer, grid: BenchGrid, limits: MemoryLimits | None = N
             so an interrupted run keeps what it measured).
         keep_going: a cell failing for another reason than memory is recorded (`error` "failed: ...") and the run
             goes on, instead of raising.
+        repeats: runs of every grid cell, round by round, the methods of a context and batch in an order rotated
+            each round (`eval/spread.py`); a cell's row holds the median of its timings (`TIMED`) and their
+            `<field>_min` / `<field>_max`. The max-batch search measures each batch it probes once.
+
+    Raises:
+        ValueError: `repeats` < 1, or what `grid.validate()` raises.
     """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}.")
     grid.validate()
     device = model.device
     if grid.cpu_linear == "gemm" and device.type != "cpu":
@@ -95,11 +111,11 @@ def run_bench(model, tokenizer, grid: BenchGrid, limits: MemoryLimits | None = N
     linears = gemm_linears(model) if grid.cpu_linear == "gemm" else contextlib.nullcontext()
     with linears:
         return _run_bench(model, tokenizer, grid, limits, model_name, max_batch_cap, max_cell_seconds, log,
-                          on_progress or (lambda result: None), keep_going)
+                          on_progress or (lambda result: None), keep_going, repeats)
 
 
 def _run_bench(model, tokenizer, grid, limits, model_name, max_batch_cap, max_cell_seconds, log, on_progress,
-               keep_going):
+               keep_going, repeats):
     device = model.device
     skip = skipped_methods(grid, device)
     for method, reason in skip.items():
@@ -112,7 +128,8 @@ def _run_bench(model, tokenizer, grid, limits, model_name, max_batch_cap, max_ce
         "threads": torch.get_num_threads(), "weight_bytes": weights, "grid": asdict(grid),
         "skipped": skip, "torch": torch.__version__, "python": platform.python_version(),
         "limits": asdict(limits) if limits else None, "max_cell_seconds": max_cell_seconds,
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "repeats": repeats, "cores": os.cpu_count(),
+        "load_average_max": spread.load_average(),
     })
     try:
         import transformers
@@ -131,19 +148,29 @@ def _run_bench(model, tokenizer, grid, limits, model_name, max_batch_cap, max_ce
         run_cell(model, prompts, method, short, 1, grid.budgets_of(method)[0], warm, model_name=model_name,
                  host_limit_bytes=host_limit, keep_going=keep_going)
 
-    measured: dict[tuple, dict] = {}
+    measured: dict[tuple, list[dict]] = {}  # cell -> its runs, in the order cells were first measured
+
+    def measure(key: tuple) -> None:
+        method, context, batch, budget = key
+        row = run_cell(model, prompts, method, context, batch, budget, grid, model_name=model_name,
+                       host_limit_bytes=host_limit, keep_going=keep_going)
+        measured.setdefault(key, []).append(row)
+        result.cells = [spread.merge_runs(runs, TIMED) for runs in measured.values()]
+        load, highest = spread.load_average(), result.meta["load_average_max"]
+        if math.isfinite(load) and not load <= highest:  # `not <=`: also replaces a NaN
+            result.meta["load_average_max"] = load
+        log(json.dumps(_jsonable(row)))
+        on_progress(result)
 
     def cell(method: str, context: int, batch: int, budget: int | None) -> dict:
         key = (method, context, batch, budget)
         if key not in measured:
-            row = run_cell(model, prompts, method, context, batch, budget, grid, model_name=model_name,
-                           host_limit_bytes=host_limit, keep_going=keep_going)
-            measured[key] = row
-            result.cells.append(row)
-            log(json.dumps(_jsonable(row)))
-            on_progress(result)
-        return measured[key]
+            measure(key)
+        return spread.merge_runs(measured[key], TIMED)
 
+    warning = spread.load_warning(result.meta["load_average_max"])
+    if warning:
+        log(warning)
     if limits is not None:  # method by method, so each one's max-batch row lands before the next method starts
         for context in grid.contexts:
             for method in grid.expanded_methods():
@@ -153,12 +180,18 @@ def _run_bench(model, tokenizer, grid, limits, model_name, max_batch_cap, max_ce
                     found = find_max_batch(lambda batch: cell(method, context, batch, budget), limits, weights,
                                            cap=max_batch_cap, max_cell_seconds=max_cell_seconds)
                     found.update(method=method, context=context, budget=budget,
-                                 forced_miss_rate=measured[(method, context, 1, budget)]["forced_miss_rate"])
+                                 forced_miss_rate=measured[(method, context, 1, budget)][0]["forced_miss_rate"])
                     result.max_batch.append(found)
                     log(json.dumps(_jsonable({k: v for k, v in found.items() if k != "runs"})))
                     on_progress(result)
-    for method, context, batch, budget in grid.cells(set(skip)):  # the grid's batches not run by the search
-        cell(method, context, batch, budget)
+    cells = grid.cells(set(skip))
+    for round_ in range(repeats):  # every cell once per round; the methods of a context and batch rotate
+        for key in spread.rotated(cells, round_, group=lambda c: (c[1], c[2])):
+            if len(measured.get(key, [])) <= round_:
+                measure(key)
+    warning = spread.load_warning(result.meta["load_average_max"])
+    if warning:
+        log(warning)
     return result
 
 
@@ -253,8 +286,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "from the measured batches and labelled so (default: always measure)")
     parser.add_argument("--keep-going", action="store_true",
                         help="record a cell that fails for another reason than memory (error 'failed: ...') and go on")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of every cell, the methods interleaved (rotated each round); cells report the "
+                             "median and the min-max of their runs")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    parser.add_argument("--out", default=None, help="output folder (default: results/bench/<device>-<model>)")
+    parser.add_argument("--out", default=None,
+                        help="output folder (default: a new eval-results/bench/<device>-<model>-<time>/; "
+                             "the project's record is results/bench/, written only when --out names it)")
     parser.add_argument("--no-plots", action="store_true", help="skip the matplotlib plots")
     parser.add_argument("--no-cells-jsonl", action="store_true",
                         help="skip cells.jsonl (summary.json holds the same rows; fewer files to bring back)")
@@ -302,6 +340,8 @@ def run_from_args(args) -> int:
             value = getattr(args, name)
             if value is not None and not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}.")
+        if args.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {args.repeats}.")
         if args.max_batch_cap < 1:
             raise ValueError(f"--max-batch-cap must be >= 1, got {args.max_batch_cap}.")
         if args.threads is not None and args.threads < 1:
@@ -319,12 +359,12 @@ def run_from_args(args) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    out_dir = args.out or os.path.join("results", "bench", f"{device.type}-{os.path.basename(model_name)}")
+    out_dir = args.out or default_out("bench", f"{device.type}-{os.path.basename(model_name)}")
     print(f"loading {model_name} on {device} ...", flush=True)
     model, tokenizer = load_bench_model(model_name, device)
     result = run_bench(model, tokenizer, grid, limits=limits, model_name=model_name,
                        max_batch_cap=args.max_batch_cap, max_cell_seconds=args.max_cell_seconds,
-                       keep_going=args.keep_going,
+                       keep_going=args.keep_going, repeats=args.repeats,
                        on_progress=lambda partial: write_result(partial, out_dir, plots=False,
                                                                 cells_jsonl=not args.no_cells_jsonl))
     from . import bench_report

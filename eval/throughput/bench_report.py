@@ -8,6 +8,8 @@ import os
 from typing import Callable
 
 from .bench_grid import RATIO_BASELINES, method_label
+from ...extras import require
+from ..spread import load_warning, with_range
 from ..outputs import mib
 
 MIB = 1024 ** 2
@@ -41,8 +43,9 @@ def label(row: dict) -> str:
 
 
 def cell_table(cells: list[dict]) -> str:
-    """Markdown table, one line per cell; `×dense` / `×offl` are this row's decode tokens/s over the dense /
-    offloaded row at the same context and batch, `dev/dense` its device bytes per request over dense's."""
+    """Markdown table, one line per cell; timings are the median of the cell's runs with their min–max in
+    parentheses; `×dense` / `×offl` are this row's median decode tokens/s over the dense / offloaded row's at the
+    same context and batch, `dev/dense` its device bytes per request over dense's."""
     head = ("| method | context | batch | TTFT s | decode tok/s | ms/step | device MiB/req | CUDA peak MiB/req all / decode | "
             "host MiB/req | copied MiB/step | overlap | wait s | hit rate | repaired | ×dense tok/s | ×offl tok/s | "
             "dev/dense bytes |")
@@ -56,8 +59,8 @@ def cell_table(cells: list[dict]) -> str:
         is_base = row["method"] in ("dense", "offloaded")
         dense_bytes = dense["device_bytes_per_request"] if dense else row["dense_equivalent_bytes_per_request"]
         lines.append(
-            f"| {label(row)} | {row['context']} | {row['batch']} | {_num(row['prefill_s'])} | "
-            f"{_num(row['decode_tokens_per_s'])} | {_num(row['ms_per_step'], '{:.1f}')} | "
+            f"| {label(row)} | {row['context']} | {row['batch']} | {with_range(row, 'prefill_s')} | "
+            f"{with_range(row, 'decode_tokens_per_s')} | {with_range(row, 'ms_per_step', '{:.1f}')} | "
             f"{mib(row['device_bytes_per_request'])} | {mib(row['cuda_peak_bytes_per_request'])} / "
             f"{mib(row['cuda_decode_peak_bytes_per_request'])} | "
             f"{mib(row['host_bytes_per_request'])} | {mib(row['bytes_copied_per_step'])} | "
@@ -126,10 +129,13 @@ def render_markdown(result) -> str:
         + ("; every method's few-row linears as W·xᵀ (`--cpu-linear gemm`, eval/throughput/cpu_linear.py)"
            if meta.get("grid", {}).get("cpu_linear") == "gemm" else "")
         + (f"; dual options {meta['grid']['dual_options']}" if meta.get("grid", {}).get("dual_options") else "")
-        + ".",
+        + f"; timings: median (min–max) of {meta.get('repeats', 1)} interleaved run(s) per cell.",
         "",
         cell_table(result.cells),
     ]
+    warning = load_warning(meta.get("load_average_max", math.nan), meta.get("cores"))
+    if warning:
+        parts[1:1] = ["", warning]
     for method, reason in (meta.get("skipped") or {}).items():
         parts.append(f"\nSkipped {method}: {reason}.")
     if result.max_batch:
@@ -140,12 +146,13 @@ def render_markdown(result) -> str:
 def plot_all(result, out_dir: str, log: Callable[[str], None] = print) -> dict[str, str]:
     """Write `throughput_vs_batch.png` and `device_bytes_vs_context.png`; `{name: path}` (empty without matplotlib)."""
     try:
+        require("eval", "the plots")
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError as error:
-        log(f"plots skipped: matplotlib is not importable ({error}); pip install matplotlib")
+    except ImportError as error:  # MissingExtraError names the extra
+        log(f"plots skipped: {error}")
         return {}
     cells = [r for r in result.cells if r["error"] is None]
     paths = {}

@@ -19,7 +19,14 @@ def metric_path(name: str) -> str:
 
 
 def load_metric(name: str):
-    """`evaluate.load` of the local metric module `name` (no Hub access)."""
+    """`evaluate.load` of the local metric module `name` (no Hub access).
+
+    Raises:
+        MissingExtraError: without the `eval` extra (datasets, evaluate and the metrics' libraries).
+    """
+    from ....extras import require
+
+    require("eval", f"the {name} metric")
     import evaluate
 
     return evaluate.load(metric_path(name))
