@@ -76,8 +76,9 @@ class DualDecoderConfig:
             the other channels enter at each 64-token group's midpoint (`engine/reference.py`). 1.0 reads them all.
         retrieval_threads: host threads running retrieval jobs ahead of the compute, several layers at once; 0
             runs each job synchronously on the calling thread (the reference path; identical tokens and
-            selections for any count); None picks the host's cores when the model runs on CUDA and 0 on CPU
-            (where retrieval threads only compete with the compute for cores).
+            selections for any count); None picks the host's cores when the model runs on CUDA (divided among the
+            tensor-parallel ranks of the host) and 0 on CPU (where retrieval threads only compete with the compute
+            for cores).
         prefill_chunk_size: prompt tokens per prefill forward pass (tokens).
         ngram_size: maximum n-gram length matched by the `"ngram"` speculator (tokens).
         prefill_progress: show a tqdm progress bar over prefill chunks.
@@ -198,10 +199,11 @@ class DualDecoderConfig:
             return max(self.budget, self.early_layer_budget)
         return self.budget
 
-    def threads_for(self, device: torch.device) -> int:
-        """Retrieval threads to use for a model on `device` (resolves `retrieval_threads=None`)."""
+    def threads_for(self, device: torch.device, ranks_per_host: int = 1) -> int:
+        """Retrieval threads to use for a model on `device` (resolves `retrieval_threads=None`): on CUDA the host's
+        cores divided among the `ranks_per_host` tensor-parallel ranks sharing them (at least 1), on CPU 0."""
         if self.retrieval_threads is None:
-            return (os.cpu_count() or 1) if device.type == "cuda" else 0
+            return max(1, (os.cpu_count() or 1) // max(1, ranks_per_host)) if device.type == "cuda" else 0
         return self.retrieval_threads
 
     def validate(self) -> None:

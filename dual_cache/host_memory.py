@@ -34,23 +34,30 @@ class HostMemory:
     """What one cache may allocate on the host, shared by its layers' stores and selectors.
 
     Args:
-        limit: bytes the cache may allocate in all; None = 90% of the host memory available at the first check.
+        limit: bytes the cache may allocate in all; None = 90% of the host memory available at the first check,
+            divided by `ranks_per_host`.
 
     Attributes:
         claimed: bytes allocated so far (stores and selector state).
+        ranks_per_host: processes of a tensor-parallel group on this host (1 without one): each rank's cache holds
+            its own KV heads and may use this share of the available memory (`tensor_parallel.TensorShard`).
     """
 
     def __init__(self, limit: int | None = None) -> None:
         self._limit = limit
         self.configured = limit
         self.claimed = 0
+        self.ranks_per_host = 1
 
     @property
     def limit(self) -> int:
         """The limit in bytes (resolved from the available memory on first use when not configured)."""
         if self._limit is None:
-            self._limit = int(0.9 * available_host_bytes())
+            self._limit = int(0.9 * available_host_bytes() / self.ranks_per_host)
         return self._limit
+
+    def _whose(self) -> str:
+        return "" if self.ranks_per_host == 1 else f" (this rank's share: {self.ranks_per_host} ranks on this host)"
 
     def check(self, needed: int, request: str) -> None:
         """Raise `HostMemoryError` unless `needed` more bytes fit; nothing is claimed.
@@ -62,7 +69,8 @@ class HostMemory:
         if self.claimed + needed > self.limit:
             raise HostMemoryError(
                 f"The dual cache needs {format_bytes(needed)} ({needed:,} bytes) of host memory for {request}, but "
-                f"may use {format_bytes(self.limit - self.claimed)} more (max_host_bytes={self.configured}). Lower "
+                f"may use {format_bytes(self.limit - self.claimed)} more{self._whose()} (max_host_bytes="
+                f"{self.configured}). Lower "
                 "the batch size, the prompt length or max_new_tokens, or raise `max_host_bytes` in cache_config."
             )
 
@@ -70,7 +78,7 @@ class HostMemory:
         """Account for `nbytes` about to be allocated; raises `HostMemoryError` past the limit."""
         if self.claimed + nbytes > self.limit:
             raise HostMemoryError(
-                f"The dual cache's host memory would exceed {format_bytes(self.limit)} (another "
+                f"The dual cache's host memory would exceed {format_bytes(self.limit)}{self._whose()} (another "
                 f"{format_bytes(nbytes)} requested). Lower the batch size or the number of tokens, or raise "
                 "`max_host_bytes` in cache_config."
             )

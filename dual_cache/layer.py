@@ -9,6 +9,7 @@ and per step as arguments (`decode_segments(..., rows)`); it never refers back t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -31,10 +32,13 @@ class StepRows:
             None when there are none.
         check: `(B,)` bool host, re-selected in the layers where their real query drifted from the speculated
             query that chose the entries (`repair_drift`); None when there are none.
+        agree: under tensor parallelism, turns this rank's `(B,)` drift flags into "drifted in a KV head of any
+            rank" (`TensorShard.any_rank`), so every rank repairs the rows one process would; None without it.
     """
 
     repair: torch.Tensor | None = None
     check: torch.Tensor | None = None
+    agree: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def query_drift(query: torch.Tensor, chooser: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -358,7 +362,10 @@ class DualLayer(CacheLayerMixin):
         if rows.check is None or threshold is None or self.selecting_query is None:
             return rows.repair, None
         chooser = self.selecting_query.to(real_query.device, non_blocking=True)
-        drifted = (query_drift(real_query, chooser, self.host.shape_prefix[1]) >= threshold).cpu() & rows.check
+        drifted = query_drift(real_query, chooser, self.host.shape_prefix[1]) >= threshold
+        if rows.agree is not None:  # tensor parallelism: this rank holds some of the KV heads
+            drifted = rows.agree(drifted)
+        drifted = drifted.cpu() & rows.check
         if rows.repair is not None:
             drifted &= ~rows.repair
         if not drifted.any():

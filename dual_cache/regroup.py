@@ -77,6 +77,7 @@ def regroup(rows: Sequence[tuple[DualDecoderCache, int]]) -> DualDecoderCache:
     offsets = [axis - length for length in lengths]
 
     out = DualDecoderCache(first.text_config, dual_config=first.dual_config)
+    out.use_shard(first.shard)  # under tensor parallelism: the KV heads of this rank
     out.layers = out.layers_of_types(first.layer_types)
     source_layer = first.dual_layers[0]
     dtype = source_layer.host.dtype

@@ -87,6 +87,8 @@ class Scheduler:
         self.prefixes = PrefixCache(self.prefix_block)
         self.pad_id = self._pad_id()
         self._probe = None if dense else DualDecoderCache(model.config, dual_config=self.dual_config)  # for estimates
+        if self._probe is not None:
+            self._probe.check_model(model)  # estimates for the KV heads this rank holds (tensor parallelism)
         eos = model.generation_config.eos_token_id
         eos_ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
         decode = None if tokenizer is None else (lambda t: tokenizer.decode(t, skip_special_tokens=True))
