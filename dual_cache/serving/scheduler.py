@@ -155,13 +155,21 @@ class Scheduler:
         if session is not None and (self.dense or not isinstance(session, str) or not session):
             raise ValueError("session must be a non-empty string, and sessions need the dual cache (not --dense).")
         handle = RequestHandle(ids.to(torch.long).cpu(), options, session, on_event)
+        self._enqueue(handle)
+        return handle
+
+    def _enqueue(self, handle: RequestHandle) -> None:
+        """Append a validated request to the queue (the tensor-parallel scheduler calls it at a turn boundary).
+
+        Raises:
+            RuntimeError: the scheduler was stopped.
+        """
         with self._cond:
             if self._stopping:
                 raise RuntimeError("The scheduler was stopped; start a new one.")
             self._queue.append(handle)
             self.counters["requests"] += 1
             self._cond.notify_all()
-        return handle
 
     def cancel(self, handle: RequestHandle) -> None:
         """Cancel a request: a queued one leaves the queue, a running one stops after its current step."""
