@@ -248,15 +248,15 @@ def _two_rank_generate(tmp_path: Path, lengths: list[int], new: int, ranks: int 
                                 **({} if cache is None else {"cache": cache}))
         single[name] = {"tokens": output.sequences[:, ids.shape[1]:].tolist(),
                         "logits": torch.stack(output.logits, dim=1),
-                        "host_bytes": None if cache is None else cache.stats()["host_bytes"]}
+                        "stats": None if cache is None else cache.stats()}
         if cache is not None:
             cache.close()
     return results, single
 
 
 def _check_ranks(results, single, ranks: int) -> dict:
-    """Every rank's tokens equal the single-process run's; host bytes per rank are 1/ranks; returns the largest
-    logit difference per case (reduction order: the ranks sum partial products across ranks)."""
+    """Every rank's tokens equal the single-process run's; host and device KV bytes per rank are 1/ranks; returns
+    the largest logit difference per case (reduction order: the ranks sum partial products across ranks)."""
     assert single["full"]["tokens"] == single["dense"]["tokens"]  # full budget is dense attention
     differences = {}
     for rank, result in enumerate(results):
@@ -265,10 +265,11 @@ def _check_ranks(results, single, ranks: int) -> dict:
             assert case["tokens"] == reference["tokens"], (rank, name)
             difference = (torch.tensor(case["logits"]) - reference["logits"]).abs().max().item()
             differences[name] = max(differences.get(name, 0.0), difference)
-            if reference["host_bytes"] is not None:
+            if reference["stats"] is not None:
                 stats = case["stats"]
                 assert (stats["tp_rank"], stats["tp_size"]) == (rank, ranks)
-                assert stats["host_bytes"] * ranks == reference["host_bytes"], (rank, name)
+                for key in ("host_bytes", "device_bytes", "dense_equivalent_bytes"):
+                    assert stats[key] * ranks == reference["stats"][key], (rank, name, key)
     return differences
 
 
