@@ -13,6 +13,7 @@ indexes and holds no thread and no device memory, so a later request can continu
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from typing import Any
 
@@ -29,6 +30,7 @@ from .layer_types import SLIDING_ATTENTION, resolve_layer_types
 from .schedule import TransferSchedule
 from .selectors import SELECTORS
 from .sequences import SequenceState
+from .tensor_parallel import TensorShard, shard_of_model_or_config, whole_model
 
 SCHEDULE_COUNTERS = ("steps", "bytes_copied", "retrieval_seconds", "copy_seconds", "wait_seconds", "repairs",
                      "repaired_steps", "repair_seconds", "device_wait_seconds", "device_step_seconds")
@@ -48,6 +50,10 @@ class DualDecoderCache(Cache):
         dual_config: a `DualDecoderConfig`; or give its fields as keyword arguments (`budget=256, ...`).
         max_cache_len: expected total tokens per sequence (prompt + new), checked against the host memory limit
             before the first allocation (tokens).
+
+    Under tensor parallelism (transformers' `tp_plan`, one process per rank) each rank's cache holds the KV heads of
+    its rank's attention: `check_model(model)`, which `generate()` and the serving scheduler call with the model,
+    adopts that shard (`shard`, `kv_heads`), so host-memory checks, retrieval threads and `stats()` are this rank's.
 
     Raises:
         ValueError: for bad option values, or layer types this cache cannot serve (anything other than
@@ -74,7 +80,8 @@ class DualDecoderCache(Cache):
                 raise ValueError(
                     f"`layer_budgets` names layer {layer_idx}, but the model has {n_layers} layers (0..{n_layers - 1})."
                 )
-        self.kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        self.shard: TensorShard = whole_model(text_config)  # the KV heads this process holds (`check_model`)
+        self.kv_heads = self.shard.kv_heads
         self.head_dim = getattr(text_config, "head_dim", None) or (
             text_config.hidden_size // text_config.num_attention_heads
         )
@@ -158,18 +165,49 @@ class DualDecoderCache(Cache):
     def dual_layers(self) -> list[DualLayer]:
         return [layer for layer in self.layers if isinstance(layer, DualLayer)]
 
-    def check_model(self, config: Any) -> None:
-        """Raise `ValueError` unless this cache was built for a model with `config`'s layers and KV head shape."""
+    def check_model(self, model: Any) -> None:
+        """Raise `ValueError` unless this cache was built for a model with these layers and KV head shape; given the
+        model itself (not its config), adopt the KV heads this rank holds under tensor parallelism.
+
+        Args:
+            model: the model (a transformers `PreTrainedModel`, loaded with or without a `tp_plan`), or its config.
+
+        Raises:
+            ValueError: a model of other layers / KV heads / head dim; a tensor-parallel plan that cannot split the
+                heads evenly over its ranks (`tensor_parallel.shard_of`); a shard of other KV heads than the ones
+                this cache already stores.
+        """
+        is_model = isinstance(model, torch.nn.Module) and hasattr(model, "config")
+        shard = shard_of_model_or_config(model)
+        config = model.config if is_model else model
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        mine = (len(self.layers), self.kv_heads, self.head_dim)
-        theirs = (text.num_hidden_layers, kv_heads, head_dim)
+        mine = (len(self.layers), self.shard.model_kv_heads, self.head_dim)
+        theirs = (text.num_hidden_layers, shard.model_kv_heads, head_dim)
         if mine != theirs:
             raise ValueError(
                 f"This DualDecoderCache was built for (layers, KV heads, head_dim) = {mine}, but the model has "
                 f"{theirs}. Build it from the model's own config: DualDecoderCache(model.config, ...)."
             )
+        if is_model:
+            self.use_shard(shard)
+
+    def use_shard(self, shard: TensorShard) -> None:
+        """Hold the KV heads of `shard` (a tensor-parallel rank's; `tensor_parallel.shard_of`): host-memory checks,
+        the retrieval threads and `stats()` become this rank's.
+
+        Raises:
+            ValueError: when the cache already stores tokens of another number of KV heads.
+        """
+        if shard == self.shard:
+            return
+        if self.get_seq_length() and shard.kv_heads != self.kv_heads:
+            raise ValueError(
+                f"This DualDecoderCache stores {self.kv_heads} KV heads per layer ({self.shard.describe()}); the model "
+                f"here is {shard.describe()}. Continue a cache on the rank (and tensor-parallel plan) that filled it."
+            )
+        self.shard, self.kv_heads = shard, shard.kv_heads
+        self.host_memory.ranks_per_host = shard.ranks_per_host
 
     # --- host memory ---------------------------------------------------------------------------------------
     def host_bytes_needed(self, batch_size: int, tokens: int, dtype: torch.dtype, kv_heads: int | None = None,
@@ -268,7 +306,7 @@ class DualDecoderCache(Cache):
             layer_order=[layer.layer_idx for layer in retrieving],
             layers_in_flight=self.dual_config.layers_in_flight,
             lookahead=self.dual_config.lookahead,
-            threads=self.dual_config.threads_for(torch.device(device)),
+            threads=self.dual_config.threads_for(torch.device(device), self.shard.ranks_per_host),
             record_timeline=self.dual_config.record_timeline,
         )
 
@@ -276,9 +314,20 @@ class DualDecoderCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Store `(B, H_kv, q, D)` new keys/values of `layer_idx` (transformers `Cache.update` contract). Runs
         eagerly under `torch.compile` (a graph break: the host store is not traceable)."""
-        if isinstance(self.layers[layer_idx], DualLayer) and self.schedule is None:
+        layer = self.layers[layer_idx]
+        if isinstance(layer, DualLayer) and self.schedule is None:
             raise RuntimeError(
                 "DualDecoderCache stores tokens only during generate(): pass it to model.generate(..., cache=cache)."
+            )
+        # a rank's share given to a cache sized for the whole model, or another share than this rank's (unsharded,
+        # more heads than the config states is served as computed: GPT-NeoX ignores `num_key_value_heads`)
+        heads = key_states.shape[1]
+        if isinstance(layer, DualLayer) and not layer.is_initialized and (
+                heads < self.kv_heads or (self.shard.sharded and heads != self.kv_heads)):
+            raise ValueError(
+                f"Layer {layer_idx} gave {heads} KV heads; this DualDecoderCache was sized for "
+                f"{self.kv_heads} ({self.shard.describe()}). Under tensor parallelism pass the model itself to "
+                "cache.check_model(model) (generate() does) so the cache holds this rank's heads."
             )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
@@ -299,7 +348,7 @@ class DualDecoderCache(Cache):
     def begin_step(self, rows: StepRows) -> None:
         """The sequences the next forward re-selects with the real token's query (`miss_repair`), decided on the
         host before the step (`repair.RepairPolicy.rows`)."""
-        self.step_rows = rows
+        self.step_rows = dataclasses.replace(rows, agree=self.shard.any_rank) if self.shard.sharded else rows
 
     def decode_segments(self, layer_idx: int, query: torch.Tensor, scaling: float) -> list[KVSegment]:
         """The segments layer `layer_idx` attends to in the running decode step (`DualLayer.decode_segments` with
@@ -474,7 +523,9 @@ class DualDecoderCache(Cache):
                 decode step);
             repairs, repaired_steps, repair_seconds: (step, layer) selections redone by miss repair (misses and
                 drift), the decode steps in which any was, and the time they took;
-            drift_repairs: those of the `repairs` made for drifted queries on hit steps (`repair_drift`).
+            drift_repairs: those of the `repairs` made for drifted queries on hit steps (`repair_drift`);
+            tp_rank, tp_size, kv_heads: under tensor parallelism every figure above is this rank's alone (its
+                `kv_heads` of the model's KV heads); tp_size 1 without it.
         """
         if self._final_stats is not None:
             return dict(self._final_stats)
@@ -506,6 +557,9 @@ class DualDecoderCache(Cache):
             **counters,
             "overlap_ratio": overlap,
             "drift_repairs": self.drift_repairs,
+            "tp_rank": self.shard.rank,
+            "tp_size": self.shard.size,
+            "kv_heads": self.kv_heads,
         }
 
     @property

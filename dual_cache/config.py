@@ -91,8 +91,8 @@ class DualDecoderConfig:
         retrieval_threads: host threads running retrieval jobs ahead of the compute, several layers at once; 0
             runs each job synchronously on the calling thread (the reference path; identical tokens and
             selections for any count); None picks the cores this process may use (`usable_cores`: its CPU
-            affinity) when the model runs on CUDA and 0 on CPU (where retrieval threads only compete with the
-            compute for cores).
+            affinity, divided among the tensor-parallel ranks of the host) when the model runs on CUDA and 0
+            on CPU (where retrieval threads only compete with the compute for cores).
         prefill_chunk_size: prompt tokens per prefill forward pass (tokens).
         ngram_size: maximum n-gram length matched by the `"ngram"` speculator (tokens).
         prefill_progress: show a tqdm progress bar over prefill chunks.
@@ -214,11 +214,12 @@ class DualDecoderConfig:
             return max(self.budget, self.early_layer_budget)
         return self.budget
 
-    def threads_for(self, device: torch.device) -> int:
-        """Retrieval threads to use for a model on `device` (resolves `retrieval_threads=None`: the cores this
-        process may run on, `usable_cores()`, on CUDA; 0 on CPU)."""
+    def threads_for(self, device: torch.device, ranks_per_host: int = 1) -> int:
+        """Retrieval threads to use for a model on `device` (resolves `retrieval_threads=None`): on CUDA the cores
+        this process may run on (`usable_cores()`) divided among the `ranks_per_host` tensor-parallel ranks sharing
+        them (at least 1), on CPU 0."""
         if self.retrieval_threads is None:
-            return usable_cores() if device.type == "cuda" else 0
+            return max(1, usable_cores() // max(1, ranks_per_host)) if device.type == "cuda" else 0
         return self.retrieval_threads
 
     def validate(self) -> None:

@@ -95,7 +95,7 @@ def dual_sample(
             logits_to_keep=keep, dual_cache=cache, **{cache_arg: cache},
         )
 
-    cache.check_model(model.config)
+    cache.check_model(model)  # the model itself: under tensor parallelism the cache holds this rank's KV heads
     total_tokens = input_len + max(generation_config.max_length - input_ids.shape[1], 0) + 1
     try:
         if not stored:

@@ -35,7 +35,8 @@ class HostMemory:
     """What one cache may allocate on the host, shared by its layers' stores and selectors.
 
     Args:
-        limit: bytes the cache may allocate in all; None = 90% of the host memory available at the first check.
+        limit: bytes the cache may allocate in all; None = 90% of the host memory available at the first check,
+            divided by `ranks_per_host`.
 
     Claims come from the decode loop's thread and from retrieval worker threads (a selector's index grows inside
     its retrieval job), so every change of `claimed` is made under a lock: concurrent claims never exceed the
@@ -43,6 +44,8 @@ class HostMemory:
 
     Attributes:
         claimed: bytes allocated so far (stores and selector state).
+        ranks_per_host: processes of a tensor-parallel group on this host (1 without one): each rank's cache holds
+            its own KV heads and may use this share of the available memory (`tensor_parallel.TensorShard`).
     """
 
     def __init__(self, limit: int | None = None) -> None:
@@ -50,13 +53,17 @@ class HostMemory:
         self.configured = limit
         self.claimed = 0
         self._lock = threading.Lock()
+        self.ranks_per_host = 1
 
     @property
     def limit(self) -> int:
         """The limit in bytes (resolved from the available memory on first use when not configured)."""
         if self._limit is None:
-            self._limit = int(0.9 * available_host_bytes())
+            self._limit = int(0.9 * available_host_bytes() / self.ranks_per_host)
         return self._limit
+
+    def _whose(self) -> str:
+        return "" if self.ranks_per_host == 1 else f" (this rank's share: {self.ranks_per_host} ranks on this host)"
 
     def check(self, needed: int, request: str) -> None:
         """Raise `HostMemoryError` unless `needed` more bytes fit; nothing is claimed.
@@ -68,7 +75,8 @@ class HostMemory:
         if self.claimed + needed > self.limit:
             raise HostMemoryError(
                 f"The dual cache needs {format_bytes(needed)} ({needed:,} bytes) of host memory for {request}, but "
-                f"may use {format_bytes(self.limit - self.claimed)} more (max_host_bytes={self.configured}). Lower "
+                f"may use {format_bytes(self.limit - self.claimed)} more{self._whose()} (max_host_bytes="
+                f"{self.configured}). Lower "
                 "the batch size, the prompt length or max_new_tokens, or raise `max_host_bytes` in cache_config."
             )
 
@@ -79,7 +87,7 @@ class HostMemory:
         with self._lock:
             if self.claimed + nbytes > limit:
                 raise HostMemoryError(
-                    f"The dual cache's host memory would exceed {format_bytes(limit)} (another "
+                    f"The dual cache's host memory would exceed {format_bytes(limit)}{self._whose()} (another "
                     f"{format_bytes(nbytes)} requested). Lower the batch size or the number of tokens, or raise "
                     "`max_host_bytes` in cache_config."
                 )
@@ -89,6 +97,7 @@ class HostMemory:
         """A new allowance with the same limit and claims (and a lock of its own)."""
         copied = HostMemory(self._limit)
         copied.configured, copied.claimed = self.configured, self.claimed
+        copied.ranks_per_host = self.ranks_per_host
         memo[id(self)] = copied
         return copied
 

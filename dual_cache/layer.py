@@ -347,7 +347,10 @@ class DualLayer(CacheLayerMixin):
         if not rows.check or threshold is None or self.selecting_query is None:
             return list(rows.repair), []
         chooser = self.selecting_query.to(real_query.device, non_blocking=True)
-        far = to_host_list(query_drift(real_query, chooser, self.host.shape_prefix[1]) >= threshold)
+        flags = query_drift(real_query, chooser, self.host.shape_prefix[1]) >= threshold
+        if rows.agree is not None:  # tensor parallelism: this rank holds some of the KV heads
+            flags = rows.agree(flags)
+        far = to_host_list(flags)
         drifted = [i for i in rows.check if far[i]]
         return sorted(set(rows.repair) | set(drifted)), drifted
 

@@ -100,14 +100,18 @@ def model_display_name(name_or_path: str | None) -> str:
     return named.hub_id if named else str(name_or_path)
 
 
-def load_model(name_or_path: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+def load_model(name_or_path: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               tp_size: int = 1):
     """Load a causal LM and its tokenizer.
 
     Args:
         name_or_path: None (the embedded SmolLM2-135M-Instruct), a key of `NAMED_MODELS` (`"smollm2-135m"`,
             `"gemma3-270m"`), a path to a `.gguf` file, or a local folder / Hub id understood by
             `AutoModelForCausalLM.from_pretrained`. GGUF weights are dequantized to `dtype`.
-        dtype: parameter dtype. device: where the model runs.
+        dtype: parameter dtype. device: where the model runs (ignored with `tp_size` > 1: each rank runs on its
+            local device, as transformers binds it).
+        tp_size: > 1 splits the model over that many `torch.distributed` ranks with its tensor-parallel plan
+            (`tensor_parallel.load_kwargs`); call it in every rank (under `torchrun`).
 
     Returns:
         `(model, tokenizer)`; the model is in eval mode, the tokenizer pads on the left.
@@ -124,6 +128,9 @@ def load_model(name_or_path: str | None = None, dtype: torch.dtype = torch.float
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .tensor_parallel import load_kwargs
+
+    parallel = load_kwargs(tp_size)
     kwargs = {}
     given = name_or_path
     if name_or_path is None:
@@ -143,7 +150,8 @@ def load_model(name_or_path: str | None = None, dtype: torch.dtype = torch.float
         name_or_path = os.path.dirname(os.path.abspath(name_or_path))
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kwargs).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kwargs, **parallel)
+        model = (model if parallel else model.to(device)).eval()
     except OSError as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise OSError(f"Could not load model {given!r} ({first}). Named models: {', '.join(NAMED_MODELS)}; or give "

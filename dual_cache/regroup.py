@@ -87,6 +87,7 @@ def regroup(rows: Sequence[tuple[DualDecoderCache, int]]) -> DualDecoderCache:
     offsets = [axis - length for length in lengths]
 
     out = DualDecoderCache(first.text_config, dual_config=first.dual_config)
+    out.use_shard(first.shard)  # under tensor parallelism: the KV heads of this rank
     out.layers = out.layers_of_types(_layer_types(rows))
     dtype = _kv_dtype(first)
     out.host_memory.check(out.host_bytes_needed(batch, axis, dtype, prompt_tokens=axis),

@@ -15,6 +15,7 @@ the host inside the layers. On a CPU device (no waits to save) it runs on every 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -29,6 +30,9 @@ class StepRows:
         live: the sequences still generating (`repair` and `check` are among them).
         batch: sequences of the step.
         first: the request's first decode step (the prompt's last position chose its entries).
+        agree: under tensor parallelism, turns this rank's `(B,)` bool device drift flags into "drifted in a KV head
+            of any rank" (`TensorShard.any_rank`, a collective), so every rank repairs the sequences one process
+            would; None without it (`DualDecoderCache.begin_step` sets it).
     """
 
     repair: tuple[int, ...] = ()
@@ -36,6 +40,7 @@ class StepRows:
     live: tuple[int, ...] = ()
     batch: int = 0
     first: bool = False
+    agree: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 class RepairPolicy:

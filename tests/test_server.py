@@ -179,3 +179,12 @@ def test_a_non_streaming_client_that_disconnects_is_cancelled(server):
     after = scheduler.metrics()
     assert after["cancelled"] == before["cancelled"] + 1
     assert after["output_tokens"] - before["output_tokens"] < 300
+
+
+def test_prometheus_text_writes_nan_as_prometheus_reads_it():
+    from dual_cache.serving.prometheus import PROMETHEUS, prometheus_text
+
+    values = {key: 1.0 for key, _, _ in PROMETHEUS.values()}
+    values["spec_hit_rate"] = float("nan")
+    lines = prometheus_text(values).splitlines()
+    assert "dual_speculation_hit_rate NaN" in lines and "dual_requests_running 1.0" in lines

@@ -69,6 +69,7 @@ class DualBatch:
         """
         if row.cache is None:  # a fresh cache (its layer types are fitted to the request below)
             row.cache = DualDecoderCache(self.model.config, dual_config=self.config)
+            row.cache.check_model(self.model)  # under tensor parallelism: this rank's KV heads
         cache, prompt, total = row.cache, row.handle.prompt, row.prompt_len + row.handle.options.max_tokens + 1
         with torch.inference_mode():
             if not cache.request_running:  # the first chunk (or the first after a pause): begin the cache's request

@@ -1,8 +1,15 @@
-"""`dual-decoder serve`: load a model and run the OpenAI-compatible server (`server.py`) until SIGINT / SIGTERM."""
+"""`dual-decoder serve`: load a model and run the OpenAI-compatible server (`server.py`) until SIGINT / SIGTERM.
+
+Under `torchrun --nproc-per-node N` (or with `--tp N`, which starts torchrun: `launch.py`) each process serves one
+tensor-parallel rank (`tp_serve.py`): rank 0 runs HTTP, every rank runs the same forwards.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import os
 
 from ..config import DualDecoderConfig
 from ..extras import require
@@ -39,16 +46,56 @@ def add_parser(sub) -> None:
                        help="tokens per block of the prefix cache: a prompt starting with the whole blocks of an "
                             "earlier one copies that prefix instead of prefilling it; 0: off (docs/serving.md)")
     serve.add_argument("--dense", action="store_true", help="serve with the default DynamicCache instead")
+    serve.add_argument("--tp", type=int, default=1,
+                       help="tensor-parallel ranks on this host: starts them with torchrun (one process per GPU; "
+                            "under torchrun, the expected world size). Rank 0 serves HTTP (docs/serving.md)")
+    serve.add_argument("--tp-timeout", type=float, default=1800.0,
+                       help="seconds a tensor-parallel collective waits for the slowest rank before the server stops "
+                            "(a rank that dies stops the others at once)")
     serve.set_defaults(func=cmd_serve)
+
+
+def serve_arguments(args) -> list[str]:
+    """The command-line arguments of `serve` that reproduce `args` (the ranks `--tp` starts get them)."""
+    out = ["--host", args.host, "--port", str(args.port), "--max-batch", str(args.max_batch),
+           "--prefix-block", str(args.prefix_block), "--tp", str(args.tp), "--tp-timeout", str(args.tp_timeout)]
+    if args.model is not None:
+        out += ["--model", args.model]
+    if args.cache_config is not None:
+        out += ["--cache-config", json.dumps(dataclasses.asdict(args.cache_config))]
+    if args.max_host_bytes is not None:
+        out += ["--max-host-bytes", str(args.max_host_bytes)]
+    if args.dense:
+        out.append("--dense")
+    return out
+
+
+def run_http(scheduler, tokenizer, model_name: str, host: str, port: int, on_server=None) -> None:
+    """Serve `scheduler` over HTTP with uvicorn until SIGINT / SIGTERM (or `server.should_exit`).
+
+    Args:
+        on_server: called with the `uvicorn.Server` before it starts (to stop it from another thread).
+    """
+    import uvicorn
+
+    from .server import create_app
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # SIGINT / SIGTERM: running requests end after their step,
+            scheduler.cancel_all()  # so their connections close and uvicorn's graceful shutdown does not wait
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(create_app(scheduler, tokenizer, model_name), host=host, port=port,
+                                   log_level="info"))
+    if on_server is not None:
+        on_server(server)
+    server.run()
 
 
 def cmd_serve(args) -> int:
     require("serve", "`dual-decoder serve`")
-    import uvicorn
-
     from ..models import load_model, model_display_name
     from .scheduler import Scheduler
-    from .server import create_app
 
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}.")
@@ -56,18 +103,25 @@ def cmd_serve(args) -> int:
         raise ValueError(f"--port must be in 1..65535, got {args.port}.")
     if args.prefix_block < 0:
         raise ValueError(f"--prefix-block must be >= 0 (0: off), got {args.prefix_block}.")
+    if args.tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {args.tp}.")
+    if not args.tp_timeout > 0:
+        raise ValueError(f"--tp-timeout must be > 0 seconds, got {args.tp_timeout}.")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tp > 1 and "WORLD_SIZE" not in os.environ:  # start the ranks
+        from .launch import launch
+
+        return launch(args.tp, serve_arguments(args))
+    if world > 1 or args.tp > 1:  # one rank of a tensor-parallel server, under torchrun
+        from .tp_serve import serve_rank
+
+        return serve_rank(args)
     model, tokenizer = load_model(args.model)
     scheduler = Scheduler(model, tokenizer, cache_config=args.cache_config or DualDecoderConfig(), dense=args.dense,
                           max_batch=args.max_batch, max_host_bytes=args.max_host_bytes,
                           prefix_block=args.prefix_block)
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:  # SIGINT / SIGTERM: running requests end after their step,
-            scheduler.cancel_all()  # so their connections close and uvicorn's graceful shutdown does not wait
-            super().handle_exit(sig, frame)
-
-    app = create_app(scheduler, tokenizer, model_display_name(args.model))
     try:
-        Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info")).run()
+        run_http(scheduler, tokenizer, model_display_name(args.model), args.host, args.port)
     finally:
         scheduler.stop()
     return 0

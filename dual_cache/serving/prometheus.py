@@ -31,5 +31,6 @@ def prometheus_text(values: dict[str, float]) -> str:
     lines = []
     for name, (key, kind, text) in PROMETHEUS.items():
         value = float(values[key])
-        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {'NaN' if value != value else value!r}"]
+        shown = "NaN" if value != value else repr(value)  # a bare NaN: Prometheus rejects a quoted one
+        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {shown}"]
     return "\n".join(lines) + "\n"

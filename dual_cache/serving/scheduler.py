@@ -87,6 +87,8 @@ class Scheduler:
         self.prefixes = PrefixCache(self.prefix_block)
         self.pad_id = self._pad_id()
         self._probe = None if dense else DualDecoderCache(model.config, dual_config=self.dual_config)  # for estimates
+        if self._probe is not None:
+            self._probe.check_model(model)  # estimates for the KV heads this rank holds (tensor parallelism)
         eos = model.generation_config.eos_token_id
         eos_ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
         decode = None if tokenizer is None else (lambda t: tokenizer.decode(t, skip_special_tokens=True))
@@ -156,13 +158,21 @@ class Scheduler:
             raise ValueError("A session request cannot return its prompt's logprobs (echo): the session's stored "
                              "tokens are not prefilled again.")
         handle = RequestHandle(ids.to(torch.long).cpu(), options, session, on_event)
+        self._enqueue(handle)
+        return handle
+
+    def _enqueue(self, handle: RequestHandle) -> None:
+        """Append a validated request to the queue (the tensor-parallel scheduler calls it at a turn boundary).
+
+        Raises:
+            RuntimeError: the scheduler was stopped.
+        """
         with self._cond:
             if self._stopping:
                 raise RuntimeError("The scheduler was stopped; start a new one.")
             self._queue.append(handle)
             self.counters["requests"] += 1
             self._cond.notify_all()
-        return handle
 
     def cancel(self, handle: RequestHandle) -> None:
         """Cancel a request: a queued one leaves the queue, a running one stops after its current step."""
