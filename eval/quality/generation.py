@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dual_cache.decoding import cache_kwarg_name
+
 from .methods import Method
 
 
@@ -45,10 +47,13 @@ def cache_device_bytes(cache) -> int | None:
     return total
 
 
-def generate(model, tokenizer, input_ids: list[int], method: Method, max_new_tokens: int, **kwargs) -> Generation:
+def generate(model, tokenizer, input_ids: list[int], method: Method, max_new_tokens: int, cache=None,
+             **kwargs) -> Generation:
     """Greedy generation of at most `max_new_tokens` after the prompt `input_ids` (one sequence) with `method`.
 
-    Extra `kwargs` go to `model.generate` (e.g. `logits_processor`, `output_logits`, `min_new_tokens`).
+    `cache`: a cache built for `method` that already holds a prefix of the prompt (`shared_prefill.SharedPrefill`);
+    only the rest of the prompt is prefilled, and a dual cache is closed when the call ends. None: `method`'s own
+    fresh cache. Extra `kwargs` go to `model.generate` (e.g. `logits_processor`, `output_logits`, `min_new_tokens`).
 
     Raises:
         ValueError: empty prompt or non-positive `max_new_tokens`; RuntimeError: the method cannot run here
@@ -62,14 +67,19 @@ def generate(model, tokenizer, input_ids: list[int], method: Method, max_new_tok
         raise RuntimeError(f"{method.label} cannot run: {method.skip_reason}")
     ids = torch.tensor([input_ids], device=model.device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    selected = method.generate_kwargs() if cache is None else {cache_kwarg_name(model): cache}
     start = time.perf_counter()
-    with torch.inference_mode():
-        output = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-            temperature=None, top_p=None, top_k=None, return_dict_in_generate=True, pad_token_id=pad,
-            **method.generate_kwargs(), **kwargs,
-        )
-    seconds = time.perf_counter() - start
-    new_ids = output.sequences[0, ids.shape[1]:].tolist()
-    text = tokenizer.decode(new_ids, skip_special_tokens=True)
-    return Generation(text, new_ids, cache_device_bytes(output_cache(output)), output, seconds)
+    try:
+        with torch.inference_mode():
+            output = model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                temperature=None, top_p=None, top_k=None, return_dict_in_generate=True, pad_token_id=pad,
+                **selected, **kwargs,
+            )
+        seconds = time.perf_counter() - start
+        new_ids = output.sequences[0, ids.shape[1]:].tolist()
+        text = tokenizer.decode(new_ids, skip_special_tokens=True)
+        return Generation(text, new_ids, cache_device_bytes(output_cache(output)), output, seconds)
+    finally:
+        if cache is not None and hasattr(cache, "close"):
+            cache.close()  # a dual cache given for this call: its stats stay readable
