@@ -17,13 +17,15 @@ class Generation:
     """Result of one call: `text` (decoded new tokens, special tokens dropped, not stripped: LongBench scores the
     raw decode, e.g. a code line's indentation), `new_ids`, the cache's
     `device_bytes` (dual: `cache.stats()["device_bytes"]`; dense: the `DynamicCache`'s K/V tensor bytes at the end),
-    `output` (the `generate` output object) and wall `seconds`."""
+    `output` (the `generate` output object), wall `seconds`, and for a dual cache `speculation`: `spec_hits`,
+    `spec_steps`, `repairs` and `drift_repairs` of its `stats()` (None for other caches)."""
 
     text: str
     new_ids: list[int]
     device_bytes: int | None
     output: object
     seconds: float
+    speculation: dict | None = None
 
 
 def output_cache(output):
@@ -45,6 +47,14 @@ def cache_device_bytes(cache) -> int | None:
             if isinstance(tensor, torch.Tensor):
                 total += tensor.nbytes
     return total
+
+
+def speculation_stats(cache) -> dict | None:
+    """`spec_hits`, `spec_steps`, `repairs`, `drift_repairs` of a dual cache's `stats()`; None for other caches."""
+    if cache is None or not hasattr(cache, "stats"):
+        return None
+    stats = cache.stats()
+    return {k: int(stats[k]) for k in ("spec_hits", "spec_steps", "repairs", "drift_repairs") if k in stats}
 
 
 def generate(model, tokenizer, input_ids: list[int], method: Method, max_new_tokens: int, cache=None,
@@ -79,7 +89,8 @@ def generate(model, tokenizer, input_ids: list[int], method: Method, max_new_tok
         seconds = time.perf_counter() - start
         new_ids = output.sequences[0, ids.shape[1]:].tolist()
         text = tokenizer.decode(new_ids, skip_special_tokens=True)
-        return Generation(text, new_ids, cache_device_bytes(output_cache(output)), output, seconds)
+        used = output_cache(output)
+        return Generation(text, new_ids, cache_device_bytes(used), output, seconds, speculation_stats(used))
     finally:
         if cache is not None and hasattr(cache, "close"):
             cache.close()  # a dual cache given for this call: its stats stay readable

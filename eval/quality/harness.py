@@ -23,6 +23,7 @@ Row schema (one JSON object per line; the model-card renderer `dual_cache.eval.c
 | `device_bytes` | int or null | KV bytes on the compute device: dual `cache.stats()["device_bytes"]`, dense the `DynamicCache` K/V bytes |
 | `model` | str | model name |
 | `prompt_tokens`, `new_tokens`, `seconds` | int, int, float | prompt length, generated tokens, wall time of the method's call (with a shared prefill: its copy of the prefix, the last prompt token and the decode) |
+| `speculation` | dict or null | dual rows: the cache's `spec_hits`, `spec_steps` (speculated tokens that equalled the real one / speculated), `repairs` ((step, layer) re-selections for misses and drift) and `drift_repairs`; null otherwise |
 | `prefill_seconds` | float or null | wall time of the sample's shared prefill (`shared_prefill.py`), paid once for every method of the sample; null for a stand-alone run |
 | `cache_config` | dict or null | the `cache_config` passed to `generate` (null for dense) |
 | `kl`, `top1`, `identical_tokens`, `forced_tokens`, `greedy_tokens` | | fidelity rows only (KL in nats) |
@@ -285,7 +286,7 @@ def _run_item(model, tokenizer, methods: list[Method], item: GenerationItem, wri
                 reference=item.references, device_bytes=result.device_bytes,
                 prompt_tokens=len(item.input_ids), new_tokens=len(result.new_ids),
                 seconds=round(seconds, 3), prefill_seconds=None if shared is None else round(shared.seconds, 3),
-                cache_config=method.cache_config, **item.extra,
+                cache_config=method.cache_config, speculation=result.speculation, **item.extra,
             )
             writer.write(row)
             bar.update(1)
