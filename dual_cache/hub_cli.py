@@ -100,6 +100,7 @@ def cmd_card(args) -> int:
     atomically, then `--push` uploads in a single commit.
     """
     from .eval.card import hub_card
+    from .eval.quality import ruler_table
 
     token = None
     try:
@@ -116,8 +117,10 @@ def cmd_card(args) -> int:
             cache_config = hub_card.cache_config_from_rows(rows, model=args.results_model)
         repo_id = args.push or args.model
         existing = Path(args.out).read_text(encoding="utf-8") if args.out and Path(args.out).is_file() else None
+        mine = [r for r in rows if args.results_model is None or r.get("model") == args.results_model]
+        ruler = ruler_table.markdown(mine, level=3)  # the full RULER table, with intervals, under the results
         local = hub_card.render_card(results, args.model, cache_config, repo_id=repo_id, existing=existing,
-                                     license=args.license)
+                                     license=args.license, extra=ruler)
     except (ValueError, OSError, hub_card.PushError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -126,7 +129,7 @@ def cmd_card(args) -> int:
         try:
             remote_text = hub_card.fetch_existing_card(args.push, token)
             remote = hub_card.render_card(results, args.model, cache_config, repo_id=repo_id, existing=remote_text,
-                                          license=args.license)
+                                          license=args.license, extra=ruler)
         except (ValueError, hub_card.PushError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 1

@@ -65,6 +65,7 @@ def collect(root: str = "results") -> list[dict]:
                                "per request", "machine": "CPU",
                     "baseline": f"dense {d:.0f}; {_mib(d_mib)}", "dual": f"{x:.0f}; {_mib(x_mib)}",
                     "source": "results/eval/gemma3-270m/results.jsonl"})
+    out += ruler_averages(root)
     cells = _jsonl(p("gpu", "h200-32k-cells.jsonl"))
     dense = next(c for c in cells if c["method"] == "dense" and c["batch"] == 1)
     dual = next(c for c in cells if c["method"].startswith("dual") and c["batch"] == 1)
@@ -94,6 +95,45 @@ def collect(root: str = "results") -> list[dict]:
                                                f"dense rows {serving['dense']['output_tokens_per_s']:.1f}",
                 "dual": f"{serving['dual']['output_tokens_per_s']:.1f}",
                 "source": "results/serving/smollm2-256-long-outputs.json"})
+    return out
+
+
+RULER_TABLE = ("eval", "ruler-table")  # the RULER table's rows (results/eval/ruler-table/run.sh) and ruler_table.md
+RULER_NAMES = {"HuggingFaceTB/SmolLM2-135M-Instruct": "SmolLM2-135M", "google/gemma-3-270m": "Gemma-3-270M"}
+
+
+def ruler_averages(root: str = "results") -> list[dict]:
+    """One row per (model, length) of the RULER table: the average over the tasks dense can do, dense and the
+    baselines against dual at each budget (difference from dense and its 95% interval at 256)."""
+    from .quality.ruler_table import MIN_DENSE, build_tables
+
+    folder = os.path.join(root, *RULER_TABLE)
+    rows = [r for name in sorted(os.listdir(folder)) if name.endswith(".jsonl") and not name.startswith("shared-")
+            for r in _jsonl(os.path.join(folder, name))] if os.path.isdir(folder) else []
+    out = []
+    for table in build_tables(rows):
+        avg = table.average
+        if "dense" not in avg:
+            continue
+        n = sorted({c.n for task in table.averaged for c in table.cells[task].values()})
+        baselines = [f"dense {avg['dense'].score:.1f}"] + [
+            f"{label.replace('kvpress-', '')} {avg[label].score:.1f}" for label in table.methods
+            if label in avg and label != "dense" and not label.startswith("dual")]
+        duals = []
+        for label in table.methods:
+            if label.startswith("dual@") and label in avg:
+                cell = avg[label]
+                text = f"@{label.split('@')[1]} {cell.score:.1f}"
+                if label == "dual@256" and cell.diff is not None:
+                    text += f" ({cell.diff:+.1f} [{cell.diff_low:+.1f}, {cell.diff_high:+.1f}])"
+                duals.append(text)
+        name = RULER_NAMES.get(table.model, table.model)
+        n_text = str(n[0]) if len(n) == 1 else f"{n[0]}–{n[-1]}"
+        out.append({"measure": f"RULER at {table.length // 1024}K, {name}: average of the {len(table.averaged)} of "
+                               f"{len(table.tasks)} tasks where dense ≥ {MIN_DENSE:.0f} (n = {n_text} per task; "
+                               "[every task](results/eval/ruler-table/ruler_table.md))",
+                    "machine": "CPU", "baseline": "; ".join(baselines), "dual": "; ".join(duals),
+                    "source": "/".join(("results",) + RULER_TABLE) + "/"})
     return out
 
 

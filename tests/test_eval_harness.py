@@ -60,7 +60,8 @@ def test_end_to_end_rows_resume_report(setup, items, tmp_path):
     assert harness.run(model, tok, methods, out, "tiny", gen, fid, progress=False) == []
     assert len(harness.read_rows(out)) == len(rows)
     paths = write_report(harness.read_rows(out), str(tmp_path / "report"))
-    assert [os.path.basename(p) for p in paths] == ["summary.md", "score_vs_budget.png", "fidelity_vs_budget.png"]
+    assert [os.path.basename(p) for p in paths] == ["summary.md", "score_vs_budget.png", "fidelity_vs_budget.png",
+                                                    "ruler_table.md", "ruler_table.png"]  # RULER rows: the table
     summary = open(paths[0], encoding="utf-8").read()
     assert "| dual | 16 |" in summary and "Fidelity to dense" in summary
 

@@ -348,8 +348,9 @@ def _results_table(results: Sequence[AggregatedResult]) -> str:
 
 
 def render_section(results: Sequence[AggregatedResult], model_name: str, cache_config: Mapping[str, Any],
-                   repo_id: str | None = None) -> str:
-    """The markdown section (between `SECTION_BEGIN`/`SECTION_END` markers): usage, configuration, results."""
+                   repo_id: str | None = None, extra: str | None = None) -> str:
+    """The markdown section (between `SECTION_BEGIN`/`SECTION_END` markers): usage, configuration, results, then
+    `extra` markdown (the RULER table, `ruler_table.markdown`) when given."""
     budgets = sorted({r.budget for r in results if r.method.startswith("dual") and r.budget is not None})
     return "\n".join([
         SECTION_BEGIN,
@@ -373,6 +374,7 @@ def render_section(results: Sequence[AggregatedResult], model_name: str, cache_c
         "cache, `dual` the dual cache; `device KV` is the mean device memory held for the KV cache.",
         "",
         _results_table(results),
+        *(["", extra.strip()] if extra and extra.strip() else []),
         SECTION_END,
     ])
 
@@ -382,7 +384,8 @@ def _result_key(result: EvalResult) -> tuple:
 
 
 def render_card(results: Sequence[AggregatedResult], model_name: str, cache_config: Mapping[str, Any] | None = None,
-                repo_id: str | None = None, existing: str | None = None, license: str | None = None) -> ModelCard:
+                repo_id: str | None = None, existing: str | None = None, license: str | None = None,
+                extra: str | None = None) -> ModelCard:
     """Render (or update) a model card with the dual-cache section and `model-index` evaluation results.
 
     Args:
@@ -394,6 +397,8 @@ def render_card(results: Sequence[AggregatedResult], model_name: str, cache_conf
             with the same dataset/config/metric replaced, and the section between the markers replaced (or
             appended).
         license: card license, when the card has none.
+        extra: markdown appended to the section after the results table (`dual-decoder card` passes the RULER
+            table of the rows: every method per task and on average, with its difference from dense).
 
     Returns:
         The `ModelCard`, already validated with `validate_card_offline`.
@@ -405,7 +410,7 @@ def render_card(results: Sequence[AggregatedResult], model_name: str, cache_conf
         raise ValueError("no results to put on the card.")
     cache_config = parse_cache_config(cache_config)
     evals = [r.to_eval_result() for r in results]
-    section = render_section(results, model_name, cache_config, repo_id)
+    section = render_section(results, model_name, cache_config, repo_id, extra)
     body = f"\n# {model_name}\n\n{section}\n"
     data = ModelCardData(model_name=model_name, eval_results=evals, library_name="transformers",
                          pipeline_tag="text-generation", tags=list(CARD_TAGS), license=license)

@@ -34,6 +34,9 @@ def add_parser(subparsers) -> None:
         p.add_argument("--model", default=None, help="named model (gemma3-270m, smollm2-135m), Hub id, folder or .gguf "
                        "(default: the embedded SmolLM2-135M)")
         p.add_argument("--model-name", default=None, help="name written in the rows (default: derived from --model)")
+        p.add_argument("--device", default="cpu", help="where the model runs (cuda for a GPU)")
+        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                       help="model parameter dtype (bfloat16 for an 8B model on a GPU)")
         p.add_argument("--suites", nargs="+", default=["ruler"], choices=SUITES, help="what to evaluate")
         p.add_argument("--ruler-tasks", nargs="+", default=["niah_single_2"], help="RULER task names (synthetic.yaml)")
         p.add_argument("--lengths", type=int, nargs="+", default=[4096], help="RULER target lengths (tokens)")
@@ -77,12 +80,18 @@ def add_parser(subparsers) -> None:
     run.add_argument("--no-resume", action="store_true", help="start the output file afresh")
     run.add_argument("--report-dir", default=None, help="also write summary.md and plots here at the end")
     run.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    run.add_argument("--no-shared-prefill", action="store_true",
+                     help="prefill each prompt once per method (default: once per prompt, every method continuing "
+                          "its own copy; the same tokens)")
     run.set_defaults(func=cmd_run)
 
     report = sub.add_parser("report", help="summary.md and plots from a results JSONL", formatter_class=formatter,
                             description="Write summary.md (scores per method, task and length, device bytes) and "
-                                        "matplotlib plots from the rows `eval run` wrote.")
-    report.add_argument("--results", default="eval-results/results.jsonl", help="rows written by `eval run`")
+                                        "matplotlib plots from the rows `eval run` wrote; with RULER rows also "
+                                        "ruler_table.md / .png (every method per task and on average, its "
+                                        "difference from dense, n and 95% intervals).")
+    report.add_argument("--results", nargs="+", default=["eval-results/results.jsonl"],
+                        help="rows written by `eval run` (several files: one report over all their rows)")
     report.add_argument("--out-dir", default="eval-results", help="where summary.md and the plots go")
     report.set_defaults(func=cmd_report)
 
@@ -156,7 +165,8 @@ def _load(args):
 
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, getattr(args, "dtype", "float32")),
+                                  device=getattr(args, "device", "cpu"))
     name = args.model_name or model_display_name(args.model)
     return model, tokenizer, name
 
@@ -169,9 +179,12 @@ def _items(args, tokenizer, model):
     fmt = prompt_format(tokenizer, args.chat_template, args.system_prompt)
     generation, fidelity = [], []
     if "ruler" in args.suites:
-        generation += harness.ruler_items(tokenizer, args.ruler_tasks, args.lengths, samples, args.seed,
+        ruler_items = harness.ruler_items(tokenizer, args.ruler_tasks, args.lengths, samples, args.seed,
                                           args.max_new_tokens, fmt=fmt, template=args.ruler_template,
                                           qa_dir=args.ruler_qa_dir)
+        # sample 0 of every task and length, then sample 1, ...: a run stopped early holds every task at about the
+        # same number of samples
+        generation += sorted(ruler_items, key=lambda item: item.sample)
     if "longbench" in args.suites:
         window = args.max_length or getattr(model.config, "max_position_embeddings", None) or 8192
         generation += harness.longbench_items(tokenizer, args.longbench_tasks, window, args.data_dir, args.limit,
@@ -200,7 +213,8 @@ def cmd_run(args) -> int:
         return 2
     print(f"{len(generation)} generation prompts, {len(fidelity)} fidelity samples, methods "
           f"{[m.label for m in methods]}; rows -> {args.out}", flush=True)
-    rows = harness.run(model, tokenizer, methods, args.out, name, generation, fidelity, resume=not args.no_resume)
+    rows = harness.run(model, tokenizer, methods, args.out, name, generation, fidelity, resume=not args.no_resume,
+                       shared_prefill=not args.no_shared_prefill)
     print(f"wrote {len(rows)} rows in {time.time() - start:.0f} s", flush=True)
     if args.report_dir:
         from .report import write_report
@@ -214,9 +228,9 @@ def cmd_report(args) -> int:
     from .harness import read_rows
     from .report import write_report
 
-    rows = read_rows(args.results)
+    rows = [row for path in args.results for row in read_rows(path)]
     if not rows:
-        print(f"error: no rows in {args.results}", file=sys.stderr)
+        print(f"error: no rows in {' '.join(args.results)}", file=sys.stderr)
         return 2
     for path in write_report(rows, args.out_dir):
         print(f"wrote {path}")

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dual_cache.step import cache_kwarg_name
+
 from .methods import Method
 
 
@@ -15,13 +17,15 @@ class Generation:
     """Result of one call: `text` (decoded new tokens, special tokens dropped, not stripped: LongBench scores the
     raw decode, e.g. a code line's indentation), `new_ids`, the cache's
     `device_bytes` (dual: `cache.stats()["device_bytes"]`; dense: the `DynamicCache`'s K/V tensor bytes at the end),
-    `output` (the `generate` output object) and wall `seconds`."""
+    `output` (the `generate` output object), wall `seconds`, and for a dual cache `speculation`: `spec_hits`,
+    `spec_steps`, `repairs` and `drift_repairs` of its `stats()` (None for other caches)."""
 
     text: str
     new_ids: list[int]
     device_bytes: int | None
     output: object
     seconds: float
+    speculation: dict | None = None
 
 
 def output_cache(output):
@@ -45,10 +49,21 @@ def cache_device_bytes(cache) -> int | None:
     return total
 
 
-def generate(model, tokenizer, input_ids: list[int], method: Method, max_new_tokens: int, **kwargs) -> Generation:
+def speculation_stats(cache) -> dict | None:
+    """`spec_hits`, `spec_steps`, `repairs`, `drift_repairs` of a dual cache's `stats()`; None for other caches."""
+    if cache is None or not hasattr(cache, "stats"):
+        return None
+    stats = cache.stats()
+    return {k: int(stats[k]) for k in ("spec_hits", "spec_steps", "repairs", "drift_repairs") if k in stats}
+
+
+def generate(model, tokenizer, input_ids: list[int], method: Method, max_new_tokens: int, cache=None,
+             **kwargs) -> Generation:
     """Greedy generation of at most `max_new_tokens` after the prompt `input_ids` (one sequence) with `method`.
 
-    Extra `kwargs` go to `model.generate` (e.g. `logits_processor`, `output_logits`, `min_new_tokens`).
+    `cache`: a cache built for `method` that already holds a prefix of the prompt (`shared_prefill.SharedPrefill`);
+    only the rest of the prompt is prefilled, and a dual cache is closed when the call ends. None: `method`'s own
+    fresh cache. Extra `kwargs` go to `model.generate` (e.g. `logits_processor`, `output_logits`, `min_new_tokens`).
 
     Raises:
         ValueError: empty prompt or non-positive `max_new_tokens`; RuntimeError: the method cannot run here
@@ -62,14 +77,20 @@ def generate(model, tokenizer, input_ids: list[int], method: Method, max_new_tok
         raise RuntimeError(f"{method.label} cannot run: {method.skip_reason}")
     ids = torch.tensor([input_ids], device=model.device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    selected = method.generate_kwargs() if cache is None else {cache_kwarg_name(model): cache}
     start = time.perf_counter()
-    with torch.inference_mode():
-        output = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-            temperature=None, top_p=None, top_k=None, return_dict_in_generate=True, pad_token_id=pad,
-            **method.generate_kwargs(), **kwargs,
-        )
-    seconds = time.perf_counter() - start
-    new_ids = output.sequences[0, ids.shape[1]:].tolist()
-    text = tokenizer.decode(new_ids, skip_special_tokens=True)
-    return Generation(text, new_ids, cache_device_bytes(output_cache(output)), output, seconds)
+    try:
+        with torch.inference_mode():
+            output = model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                temperature=None, top_p=None, top_k=None, return_dict_in_generate=True, pad_token_id=pad,
+                **selected, **kwargs,
+            )
+        seconds = time.perf_counter() - start
+        new_ids = output.sequences[0, ids.shape[1]:].tolist()
+        text = tokenizer.decode(new_ids, skip_special_tokens=True)
+        used = output_cache(output)
+        return Generation(text, new_ids, cache_device_bytes(used), output, seconds, speculation_stats(used))
+    finally:
+        if cache is not None and hasattr(cache, "close"):
+            cache.close()  # a dual cache given for this call: its stats stay readable

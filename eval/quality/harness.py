@@ -2,7 +2,9 @@
 
 Suites: `ruler` (`ruler.py`, generated offline), `longbench` (`longbench.py`, Hub or `--data-dir`), `fidelity`
 (`fidelity.py`). For each prompt, every method runs back to back; rows are appended (and flushed) as they are
-produced, so a run can be stopped and resumed: rows already in the output file are skipped (`resume=True`).
+produced, so a run can be stopped and resumed: rows already in the output file are skipped (`resume=True`). The
+generation suites prefill each prompt once and every method continues its own copy (`shared_prefill.py`; each
+method generates the tokens of its stand-alone run), unless `shared_prefill=False`.
 
 Row schema (one JSON object per line; the model-card renderer `dual_cache.eval.card.hub_card` reads it):
 
@@ -20,7 +22,9 @@ Row schema (one JSON object per line; the model-card renderer `dual_cache.eval.c
 | `reference` | list[str] | the reference answers (fidelity: dense's greedy continuation) |
 | `device_bytes` | int or null | KV bytes on the compute device: dual `cache.stats()["device_bytes"]`, dense the `DynamicCache` K/V bytes |
 | `model` | str | model name |
-| `prompt_tokens`, `new_tokens`, `seconds` | int, int, float | prompt length, generated tokens, wall time of the call |
+| `prompt_tokens`, `new_tokens`, `seconds` | int, int, float | prompt length, generated tokens, wall time of the method's call (with a shared prefill: its copy of the prefix, the last prompt token and the decode) |
+| `speculation` | dict or null | dual rows: the cache's `spec_hits`, `spec_steps` (speculated tokens that equalled the real one / speculated), `repairs` ((step, layer) re-selections for misses and drift) and `drift_repairs`; null otherwise |
+| `prefill_seconds` | float or null | wall time of the sample's shared prefill (`shared_prefill.py`), paid once for every method of the sample; null for a stand-alone run |
 | `cache_config` | dict or null | the `cache_config` passed to `generate` (null for dense) |
 | `kl`, `top1`, `identical_tokens`, `forced_tokens`, `greedy_tokens` | | fidelity rows only (KL in nats) |
 
@@ -36,6 +40,7 @@ require("eval", "`dual-decoder eval`")
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -45,6 +50,7 @@ from . import fidelity as fidelity_mod
 from .chat_format import PLAIN, PromptFormat
 from .generation import generate
 from .methods import Method
+from .shared_prefill import SharedPrefill
 
 ROW_KEYS = ("dataset", "task", "method", "budget", "length", "sample", "score", "prediction", "reference",
             "device_bytes", "model")
@@ -208,12 +214,14 @@ def _base_row(dataset, task, method: Method, length, sample, model_name) -> dict
 
 def run(model, tokenizer, methods: list[Method], out_path: str, model_name: str,
         generation_items: Iterable[GenerationItem] = (), fidelity: Iterable[fidelity_mod.FidelitySample] = (),
-        resume: bool = True, progress: bool = True, log=print) -> list[dict]:
+        resume: bool = True, progress: bool = True, log=print, shared_prefill: bool = True) -> list[dict]:
     """Run every method on every item, appending rows to `out_path`; returns the rows written in this call.
 
     Methods with a `skip_reason` are skipped with a printed reason; a method that raises on a prompt is logged
     and skipped (no row, so a rerun retries it). Fidelity needs `dense` among the methods (it is the reference)
-    and runs it first on each sample.
+    and runs it first on each sample. With `shared_prefill`, a generation item's prompt (but its last token) is
+    prefilled once for the methods that still lack its row (`shared_prefill.SharedPrefill`); a prefill that fails
+    is logged and those methods run stand-alone.
 
     Raises:
         ValueError: no methods, duplicate method labels, or fidelity items without a dense method.
@@ -237,27 +245,7 @@ def run(model, tokenizer, methods: list[Method], out_path: str, model_name: str,
     failures: list[tuple] = []
     try:
         for item in generation_items:
-            for method in runnable:
-                row = _base_row(item.dataset, item.task, method, item.length, item.sample, model_name)
-                bar.set_postfix_str(f"{item.task}@{item.length}#{item.sample} {method.label}")
-                if not writer.has(row_key(row)):
-                    try:
-                        result = generate(model, tokenizer, item.input_ids, method, item.max_new_tokens,
-                                          **item.generate_kwargs)
-                    except Exception as error:  # one failing method must not end a long run; rerun to retry
-                        log(f"FAILED {method.label} on {item.task}@{item.length}#{item.sample}: "
-                            f"{type(error).__name__}: {error}")
-                        failures.append((method.label, item.task, item.length, item.sample, repr(error)))
-                        bar.update(1)
-                        continue
-                    row.update(
-                        score=float(item.score(result.text)), metric=item.metric, prediction=result.text,
-                        reference=item.references, device_bytes=result.device_bytes,
-                        prompt_tokens=len(item.input_ids), new_tokens=len(result.new_ids),
-                        seconds=round(result.seconds, 3), cache_config=method.cache_config, **item.extra,
-                    )
-                    writer.write(row)
-                bar.update(1)
+            _run_item(model, tokenizer, runnable, item, writer, model_name, bar, log, failures, shared_prefill)
         for item in fidelity:
             _run_fidelity(model, tokenizer, runnable, item, writer, model_name, bar, log, failures)
     finally:
@@ -265,6 +253,50 @@ def run(model, tokenizer, methods: list[Method], out_path: str, model_name: str,
     if failures:
         log(f"{len(failures)} run(s) failed (no rows written for them; rerun to retry): {failures}")
     return writer.rows
+
+
+def _run_item(model, tokenizer, methods: list[Method], item: GenerationItem, writer: RowWriter, model_name: str, bar,
+              log, failures: list, shared_prefill: bool) -> None:
+    """Every method that lacks its row on one generation item, after one shared prefill of its prompt."""
+    rows = [(m, _base_row(item.dataset, item.task, m, item.length, item.sample, model_name)) for m in methods]
+    pending = [(m, row) for m, row in rows if not writer.has(row_key(row))]
+    bar.update(len(rows) - len(pending))
+    if not pending:
+        return
+    where = f"{item.task}@{item.length}#{item.sample}"
+    shared = None
+    if shared_prefill and len(item.input_ids) >= 2:
+        bar.set_postfix_str(f"{where} prefill")
+        try:
+            shared = SharedPrefill(model, item.input_ids, item.max_new_tokens)
+        except Exception as error:  # the methods can still run on their own
+            log(f"shared prefill FAILED on {where} ({type(error).__name__}: {error}); running each method alone")
+    try:
+        for method, row in pending:
+            bar.set_postfix_str(f"{where} {method.label}")
+            try:
+                start = time.perf_counter()
+                cache = None if shared is None else shared.cache_for(method)
+                result = generate(model, tokenizer, item.input_ids, method, item.max_new_tokens, cache=cache,
+                                  **item.generate_kwargs)
+                seconds = time.perf_counter() - start
+            except Exception as error:  # one failing method must not end a long run; rerun to retry
+                log(f"FAILED {method.label} on {where}: {type(error).__name__}: {error}")
+                failures.append((method.label, item.task, item.length, item.sample, repr(error)))
+                bar.update(1)
+                continue
+            row.update(
+                score=float(item.score(result.text)), metric=item.metric, prediction=result.text,
+                reference=item.references, device_bytes=result.device_bytes,
+                prompt_tokens=len(item.input_ids), new_tokens=len(result.new_ids),
+                seconds=round(seconds, 3), prefill_seconds=None if shared is None else round(shared.seconds, 3),
+                cache_config=method.cache_config, speculation=result.speculation, **item.extra,
+            )
+            writer.write(row)
+            bar.update(1)
+    finally:
+        if shared is not None:
+            shared.close()
 
 
 def _run_fidelity(model, tokenizer, methods: list[Method], item, writer: RowWriter, model_name: str, bar, log,

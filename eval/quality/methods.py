@@ -8,6 +8,7 @@
 | `dual-none` | b | `{"budget": b, "speculator": "none"}`: the previous real token's selection (what speculation buys) |
 | `oracle` | b | `{"budget": b, "selector": "oracle"}`: the real token's own top-k (upper bound) |
 | `streaming` | 0 | `{"budget": 0, "early_layers": 0, "speculator": "none"}`: StreamingLLM-style sink + window only |
+| `streaming@b` | b | the same with `window` = 64 + b: sink + window hold as many entries as dual's sink + window + selection at budget b |
 | `dual-exact` | b | `dual` with exact top-k over every key (the default selector before 2026-12-04) |
 | `dual-lowbit` | b | `dual` with the 2-bit key index and exact rescoring of `lowbit_factor × b` positions |
 | `quest` | b | `{"budget": b, "selector": "quest", "block_size": 16, "speculator": "none"}`: Quest-style pages ranked by min/max key bounds |
@@ -100,7 +101,9 @@ def _check(config: dict[str, Any]) -> str | None:
 
 
 def make_method(name: str, budget: int | None = None) -> Method:
-    """The `Method` called `name` at `budget` (ignored for dense; 0 for streaming).
+    """The `Method` called `name` at `budget` (ignored for dense). Streaming at budget 0 (or None) keeps the
+    default sink + window; at budget b > 0 its window grows by b, so that it keeps as many entries per KV head as a
+    dual configuration at budget b keeps resident in a step (sink + window + b).
 
     Raises:
         ValueError: unknown method name, or a budget missing / negative where one is needed.
@@ -110,8 +113,14 @@ def make_method(name: str, budget: int | None = None) -> Method:
     if name == "dense":
         return Method("dense", None, None)
     if name == "streaming":
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise ValueError(f"method 'streaming' needs a non-negative integer budget, got {budget!r}.")
         config = cache_config(name)
-        return Method("streaming", 0, config, _check(config))
+        if budget:
+            from dual_cache.config import DualDecoderConfig
+
+            config["window"] = DualDecoderConfig().window + budget
+        return Method("streaming", budget or 0, config, _check(config))
     if budget is None or isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(f"method {name!r} needs a positive integer budget, got {budget!r}.")
     config = cache_config(name, budget)
@@ -119,7 +128,8 @@ def make_method(name: str, budget: int | None = None) -> Method:
 
 
 def parse_method(spec: str, default_budget: int) -> Method:
-    """`"dual@128"` → dual at 128; `"oracle"` → oracle at `default_budget`; `"dense"`, `"streaming"`."""
+    """`"dual@128"` → dual at 128; `"oracle"` → oracle at `default_budget`; `"dense"`, `"streaming"` (sink + default
+    window), `"streaming@256"` (sink + a window as large as dual's resident entries at budget 256)."""
     name, _, budget = spec.partition("@")
     if budget:
         try:

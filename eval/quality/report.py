@@ -24,7 +24,7 @@ def _method_sort_key(key: tuple) -> tuple:
 
 
 def _label(name: str, budget) -> str:
-    return name if budget is None or name == "streaming" else f"{name}@{budget}"
+    return name if budget is None or (name == "streaming" and not budget) else f"{name}@{budget}"
 
 
 def _length_label(tokens: int) -> str:
@@ -137,12 +137,16 @@ def write_plots(rows: list[dict], out_dir: str) -> list[str]:
     gen = [r for r in rows if r["dataset"] != "fidelity"]
     if gen:
         columns = sorted({(r["dataset"], r["task"], r["length"]) for r in gen})
-        fig, axes = plt.subplots(1, len(columns), figsize=(4.5 * len(columns), 3.6), squeeze=False)
-        for ax, (d, t, n) in zip(axes[0], columns):
+        wide = min(len(columns), 6)  # panels per line
+        high = -(-len(columns) // wide)
+        fig, axes = plt.subplots(high, wide, figsize=(4.5 * wide, 3.6 * high), squeeze=False)
+        for ax, (d, t, n) in zip(axes.flat, columns):
             subset = [r for r in gen if (r["dataset"], r["task"], r["length"]) == (d, t, n)]
             _draw(ax, _series(subset, lambda r: r["score"]), "score (0–100)", f"{d} {t} {_length_label(n)}")
             ax.set_ylim(-5, 105)
-        axes[0][-1].legend(fontsize=7, loc="best")
+        for ax in list(axes.flat)[len(columns):]:
+            ax.set_visible(False)
+        list(axes.flat)[len(columns) - 1].legend(fontsize=7, loc="best")
         written.append(_save(fig, os.path.join(out_dir, "score_vs_budget.png")))
     fid = [r for r in rows if r["dataset"] == "fidelity" and r["task"] == "teacher_forced_top1"]
     if fid:
@@ -162,7 +166,8 @@ def write_plots(rows: list[dict], out_dir: str) -> list[str]:
 
 
 def write_report(rows: list[dict], out_dir: str) -> list[str]:
-    """Write `summary.md` and the plots into `out_dir`; returns the paths written.
+    """Write `summary.md` and the plots into `out_dir`, and with RULER rows the RULER table (`ruler_table.md`,
+    `ruler_table.png`: `ruler_table.py`); returns the paths written.
 
     Raises:
         ValueError: when `rows` is empty.
@@ -176,4 +181,12 @@ def write_report(rows: list[dict], out_dir: str) -> list[str]:
     path = os.path.join(out_dir, "summary.md")
     with open(path, "w", encoding="utf-8") as handle:
         handle.write(summary_markdown(rows))
-    return [path] + write_plots(rows, out_dir)
+    written = [path] + write_plots(rows, out_dir)
+    from . import ruler_table
+
+    if ruler_table.build_tables(rows):
+        table_path = os.path.join(out_dir, "ruler_table.md")
+        with open(table_path, "w", encoding="utf-8") as handle:
+            handle.write(ruler_table.markdown(rows, level=1))
+        written += [table_path, ruler_table.plot(rows, os.path.join(out_dir, "ruler_table.png"))]
+    return written

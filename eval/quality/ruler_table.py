@@ -1,0 +1,242 @@
+"""The RULER table: every method's score per task and on average, its difference from dense, with n and 95% intervals.
+
+Input: the harness's per-sample rows (`harness.py` documents the schema), kvpress rows merged among them. One table
+per (model, length). Per task and method: the mean score over the samples, and the mean of the per-sample differences
+from dense on the same prompts (paired by `sample`). The average row is the mean over the tasks where dense scores
+at least `MIN_DENSE` (the model can do the task); tasks below it are shown, marked, and left out of the average.
+
+Intervals are 95% percentile bootstrap intervals (`INTERVAL_RESAMPLES` resamples, a fixed seed, so the table is
+reproducible): a task's samples are resampled with replacement; the average resamples each task's samples
+independently (a stratified bootstrap) and takes the mean of the task means. A cell whose samples all scored the
+same has an interval of zero width: read n beside it (20 of 20 correct still allows a true rate near 84%).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+MIN_DENSE = 20.0  # tasks where dense scores below this are reported but left out of the averages
+INTERVAL_RESAMPLES = 10_000
+SEED = 0
+TASK_ORDER = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
+              "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2")
+METHOD_ORDER = ("dense", "dual", "oracle", "quest", "streaming", "kvpress-snapkv", "kvpress-expected_attention",
+                "kvpress-streaming")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One method on one task (or the average): mean score, its interval, the mean paired difference from dense
+    and its interval (None for dense itself or without dense rows), and n (samples; on the average row, the
+    samples summed over the averaged tasks)."""
+
+    score: float
+    low: float
+    high: float
+    n: int
+    diff: float | None = None
+    diff_low: float | None = None
+    diff_high: float | None = None
+
+
+def method_label(method: str, budget) -> str:
+    """`dense`, `dual@256`, `streaming@256` (plain `streaming` at budget 0), `kvpress-snapkv@256`."""
+    return method if budget is None or (method == "streaming" and not budget) else f"{method}@{budget}"
+
+
+def _method_key(label: str) -> tuple:
+    name, _, budget = label.partition("@")
+    rank = METHOD_ORDER.index(name) if name in METHOD_ORDER else len(METHOD_ORDER)
+    return rank, name, int(budget) if budget else -1
+
+
+def _task_key(task: str) -> tuple:
+    return (TASK_ORDER.index(task) if task in TASK_ORDER else len(TASK_ORDER), task)
+
+
+def _bootstrap(groups: list[np.ndarray], rng: np.random.Generator) -> tuple[float, float]:
+    """95% percentile interval of the mean of the groups' means, each group resampled independently."""
+    means = np.zeros(INTERVAL_RESAMPLES)
+    for values in groups:
+        picks = rng.integers(0, len(values), size=(INTERVAL_RESAMPLES, len(values)))
+        means += values[picks].mean(axis=1)
+    means /= len(groups)
+    low, high = np.percentile(means, [2.5, 97.5])
+    return float(low), float(high)
+
+
+def _cell(scores: list[np.ndarray], diffs: list[np.ndarray] | None, rng: np.random.Generator) -> Cell:
+    """A cell over one or several tasks' per-sample scores (and paired differences from dense)."""
+    score = float(np.mean([s.mean() for s in scores]))
+    low, high = _bootstrap(scores, rng)
+    n = int(sum(len(s) for s in scores))
+    if diffs is None:
+        return Cell(score, low, high, n)
+    diff = float(np.mean([d.mean() for d in diffs]))
+    diff_low, diff_high = _bootstrap(diffs, rng)
+    return Cell(score, low, high, n, diff, diff_low, diff_high)
+
+
+@dataclass
+class Table:
+    """The RULER table of one (model, length): `cells[task][method label]`, `average[method label]` over
+    `averaged` (the tasks where dense scores at least `MIN_DENSE`; every task when no dense rows exist),
+    `excluded` (the others)."""
+
+    model: str
+    length: int
+    tasks: list[str]
+    methods: list[str]
+    cells: dict[str, dict[str, Cell]]
+    average: dict[str, Cell]
+    averaged: list[str]
+    excluded: list[str]
+
+
+def build_tables(rows: list[dict]) -> list[Table]:
+    """One `Table` per (model, length) of the RULER rows (other datasets are ignored), sorted by model and length.
+
+    A method's difference from dense uses the samples both ran; the average row holds a method only when it has
+    rows on every averaged task.
+    """
+    from .harness import dedupe_rows
+
+    rows = dedupe_rows([r for r in rows if r.get("dataset") == "ruler"])
+    groups: dict = defaultdict(list)
+    for r in rows:
+        groups[(str(r.get("model")), r["length"])].append(r)
+    tables = []
+    for (model, length), group in sorted(groups.items()):
+        scores: dict = defaultdict(dict)  # task -> label -> {sample: score}
+        for r in group:
+            scores[r["task"]].setdefault(method_label(r["method"], r.get("budget")), {})[r["sample"]] = float(r["score"])
+        tasks = sorted(scores, key=_task_key)
+        methods = sorted({m for t in tasks for m in scores[t]}, key=_method_key)
+        rng = np.random.default_rng(SEED)
+        cells: dict = {}
+        for task in tasks:
+            dense = scores[task].get("dense")
+            cells[task] = {}
+            for label in methods:
+                got = scores[task].get(label)
+                if not got:
+                    continue
+                values = np.array(list(got.values()))
+                paired = None
+                if dense is not None and label != "dense":
+                    common = sorted(set(got) & set(dense))
+                    paired = [np.array([got[s] - dense[s] for s in common])] if common else None
+                cells[task][label] = _cell([values], paired, rng)
+        has_dense = all("dense" in cells[t] for t in tasks)
+        averaged = [t for t in tasks if not has_dense or cells[t]["dense"].score >= MIN_DENSE]
+        average = {}
+        for label in methods:
+            if not averaged or any(label not in scores[t] for t in averaged):
+                continue
+            values = [np.array(list(scores[t][label].values())) for t in averaged]
+            diffs = None
+            if has_dense and label != "dense":
+                diffs = []
+                for t in averaged:
+                    common = sorted(set(scores[t][label]) & set(scores[t]["dense"]))
+                    diffs.append(np.array([scores[t][label][s] - scores[t]["dense"][s] for s in common]))
+                diffs = None if any(len(d) == 0 for d in diffs) else diffs
+            average[label] = _cell(values, diffs, rng)
+        tables.append(Table(model, length, tasks, methods, cells, average, averaged,
+                            [t for t in tasks if t not in averaged]))
+    return tables
+
+
+def _length_label(tokens: int) -> str:
+    return f"{tokens // 1024}K" if tokens >= 1024 and tokens % 1024 == 0 else str(tokens)
+
+
+def _format(cell: Cell | None, is_dense: bool) -> str:
+    if cell is None:
+        return "–"
+    text = f"{cell.score:.1f} [{cell.low:.0f}, {cell.high:.0f}]"
+    if not is_dense and cell.diff is not None:
+        text += f"<br>{cell.diff:+.1f} [{cell.diff_low:+.0f}, {cell.diff_high:+.0f}]"
+    return text
+
+
+def _n(cells: dict[str, Cell]) -> str:
+    counts = sorted({c.n for c in cells.values()})
+    return str(counts[0]) if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
+
+
+def table_markdown(table: Table, level: int = 3) -> str:
+    """The markdown of one table under a heading of `level`: a row per task and the average row, a column per
+    method."""
+    lines = [f"{'#' * level} {table.model}, RULER {_length_label(table.length)}", ""]
+    lines.append(f"Each cell: mean score [95% interval]; under it the mean difference from dense on the same prompts "
+                 f"[95% interval]. Average: the mean over the {len(table.averaged)} tasks where dense scores at least "
+                 f"{MIN_DENSE:.0f}" + (f" (left out: {', '.join(table.excluded)})." if table.excluded else "."))
+    lines.append("")
+    header = ["task", "n"] + table.methods
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for task in table.tasks:
+        mark = " (dense < 20: not averaged)" if task in table.excluded else ""
+        row = [f"{task}{mark}", _n(table.cells[task])]
+        row += [_format(table.cells[task].get(m), m == "dense") for m in table.methods]
+        lines.append("| " + " | ".join(row) + " |")
+    if table.average:
+        row = [f"**average** ({len(table.averaged)} tasks)", _n(table.average)]
+        row += [_format(table.average.get(m), m == "dense") for m in table.methods]
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def markdown(rows: list[dict], level: int = 2) -> str:
+    """Every table of the rows under a heading of `level`, one sub-section each (empty string without RULER rows)."""
+    tables = build_tables(rows)
+    if not tables:
+        return ""
+    intro = (f"{'#' * level} RULER, method by method\n\nScores 0–100 (RULER's string match). Intervals: 95% percentile bootstrap "
+             f"over the samples ({INTERVAL_RESAMPLES} resamples; the average resamples each task on its own). Budgets "
+             "are tokens per KV head; `streaming@b` keeps sink + a window as large as dual's resident entries at "
+             "budget b; kvpress presses keep sink + window + b entries per KV head of the prompt.\n")
+    return "\n".join([intro] + [table_markdown(t, level + 1) for t in tables])
+
+
+def plot(rows: list[dict], path: str) -> str | None:
+    """A bar chart per (model, length): each task's score per method and the average with its 95% interval.
+    Returns `path`, or None without RULER rows."""
+    tables = build_tables(rows)
+    if not tables:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(tables), 1, figsize=(14, 3.8 * len(tables)), squeeze=False)
+    for ax, table in zip(axes[:, 0], tables):
+        columns = table.tasks + (["average"] if table.average else [])
+        width = 0.8 / len(table.methods)
+        colors = plt.get_cmap("tab10")
+        for i, label in enumerate(table.methods):
+            cells = [table.cells[t].get(label) for t in table.tasks] + ([table.average.get(label)] if table.average else [])
+            xs = [j + (i - (len(table.methods) - 1) / 2) * width for j, c in enumerate(cells) if c is not None]
+            got = [c for c in cells if c is not None]
+            errors = np.array([[c.score - c.low for c in got], [c.high - c.score for c in got]])
+            ax.bar(xs, [c.score for c in got], width, yerr=errors, capsize=1.5, label=label, color=colors(i % 10),
+                   error_kw={"linewidth": 0.6})
+        ax.set_xticks(range(len(columns)))
+        ax.set_xticklabels([c + ("*" if c in table.excluded else "") for c in columns], rotation=20, fontsize=8)
+        ax.set_ylim(0, 105)
+        ax.set_ylabel("score (0–100)")
+        ax.set_title(f"{table.model}, RULER {_length_label(table.length)} (* dense < {MIN_DENSE:.0f}: not averaged; "
+                     "bars: 95% intervals)", fontsize=9)
+        ax.legend(fontsize=7, ncol=len(table.methods), loc="upper right")
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
