@@ -276,7 +276,8 @@ class DualDecoderConfig:
             raise ValueError(f"`selector` must be one of {SELECTORS}, got {self.selector!r}.")
         SELECTOR_CLASSES[self.selector].check_config(self)
         if self.drift_on_hit_steps is not None and not isinstance(self.drift_on_hit_steps, bool):
-            raise ValueError(f"`drift_on_hit_steps` must be True, False or None (auto), got {self.drift_on_hit_steps!r}.")
+            raise ValueError(
+                f"`drift_on_hit_steps` must be True, False or None (auto), got {self.drift_on_hit_steps!r}.")
         for name in ("prefill_progress", "record_timeline", "miss_repair"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")

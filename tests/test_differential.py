@@ -5,8 +5,8 @@ A scenario draws, from its seed: a tiny model of one layer-type mix (full attent
 full, sliding + full with logit soft-capping, sliding only), a batch with random left padding, 2-4 turns whose new
 tokens and `max_new_tokens` (1-20) cross the sliding window in both directions (turns that stay inside it, turns that
 pass it, continuations after the window was passed), sometimes a batch that continues one stored sequence (a shared
-prefix), sometimes a crop between turns (the conversation continues from an earlier point), the dual cache's sink, window, retrieval threads, speculator and selector, and a budget at or above the
-context or below it.
+prefix), sometimes a crop between turns (the conversation continues from an earlier point), the dual cache's sink,
+window, retrieval threads, speculator and selector, and a budget at or above the context or below it.
 
 - At or above the context (`n_sink + window + budget >= tokens`), every call must equal `DynamicCache`'s greedy
   tokens, token for token (fp32).
@@ -114,7 +114,8 @@ def draw(seed: int) -> Scenario:
     share_at = rng.choice([None, None, 1]) if model != "sliding-only" or rng.random() < 0.5 else None
     batch = rng.choice([1, 2, 3]) if share_at is None else rng.choice([2, 3])
     first_batch = 1 if share_at is not None else batch
-    pads = [0] * first_batch if first_batch == 1 else [rng.choice([0, 0, rng.randint(1, 12)]) for _ in range(first_batch)]
+    pads = [0] * first_batch if first_batch == 1 else \
+        [rng.choice([0, 0, rng.randint(1, 12)]) for _ in range(first_batch)]
     # windows crossed both ways: short turns that stay inside the window, long ones that pass it
     turns = [(rng.choice([rng.randint(1, WINDOW // 2), rng.randint(WINDOW // 2, 2 * WINDOW)]), rng.randint(1, 20))
              for _ in range(rng.randint(2, 4))]

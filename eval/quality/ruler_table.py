@@ -113,7 +113,8 @@ def build_tables(rows: list[dict]) -> list[Table]:
     for (model, length), group in sorted(groups.items()):
         scores: dict = defaultdict(dict)  # task -> label -> {sample: score}
         for r in group:
-            scores[r["task"]].setdefault(method_label(r["method"], r.get("budget")), {})[r["sample"]] = float(r["score"])
+            label = method_label(r["method"], r.get("budget"))
+            scores[r["task"]].setdefault(label, {})[r["sample"]] = float(r["score"])
         tasks = sorted(scores, key=_task_key)
         methods = sorted({m for t in tasks for m in scores[t]}, key=_method_key)
         rng = np.random.default_rng(SEED)
@@ -197,10 +198,11 @@ def markdown(rows: list[dict], level: int = 2) -> str:
     tables = build_tables(rows)
     if not tables:
         return ""
-    intro = (f"{'#' * level} RULER, method by method\n\nScores 0–100 (RULER's string match). Intervals: 95% percentile bootstrap "
-             f"over the samples ({INTERVAL_RESAMPLES} resamples; the average resamples each task on its own). Budgets "
-             "are tokens per KV head; `streaming@b` keeps sink + a window as large as dual's resident entries at "
-             "budget b; kvpress presses keep sink + window + b entries per KV head of the prompt.\n")
+    intro = (f"{'#' * level} RULER, method by method\n\nScores 0–100 (RULER's string match). Intervals: 95% "
+             f"percentile bootstrap over the samples ({INTERVAL_RESAMPLES} resamples; the average resamples each task "
+             "on its own). Budgets are tokens per KV head; `streaming@b` keeps sink + a window as large as dual's "
+             "resident entries at budget b; kvpress presses keep sink + window + b entries per KV head of the "
+             "prompt.\n")
     return "\n".join([intro] + [table_markdown(t, level + 1) for t in tables])
 
 
@@ -221,7 +223,8 @@ def plot(rows: list[dict], path: str) -> str | None:
         width = 0.8 / len(table.methods)
         colors = plt.get_cmap("tab10")
         for i, label in enumerate(table.methods):
-            cells = [table.cells[t].get(label) for t in table.tasks] + ([table.average.get(label)] if table.average else [])
+            cells = [table.cells[t].get(label) for t in table.tasks]
+            cells += [table.average.get(label)] if table.average else []
             xs = [j + (i - (len(table.methods) - 1) / 2) * width for j, c in enumerate(cells) if c is not None]
             got = [c for c in cells if c is not None]
             errors = np.array([[c.score - c.low for c in got], [c.high - c.score for c in got]])

@@ -92,7 +92,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tasks", nargs="+", default=["niah_single_1", "niah_multivalue", "vt", "cwe"])
     parser.add_argument("--length", type=int, default=4096, help="RULER length (tokens)")
     parser.add_argument("--samples", type=int, default=1, help="samples per task")
-    parser.add_argument("--methods", nargs="+", default=["dense", "dual@256", "quest@256", "streaming@256", "oracle@256"])
+    parser.add_argument("--methods", nargs="+",
+                        default=["dense", "dual@256", "quest@256", "streaming@256", "oracle@256"])
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--out", required=True, help="writes OUT.jsonl (rows) and OUT.md (summary)")
     args = parser.parse_args(argv)
@@ -114,7 +115,8 @@ def main(argv=None) -> int:
     with open(args.out + ".jsonl", "w", encoding="utf-8") as handle:
         handle.writelines(json.dumps(r) + "\n" for r in rows)
     text = summary(rows)
-    command = "python -m dual_cache.eval.quality.shared_prefill_cost " + " ".join(sys.argv[1:] if argv is None else argv)
+    arguments = sys.argv[1:] if argv is None else argv
+    command = "python -m dual_cache.eval.quality.shared_prefill_cost " + " ".join(arguments)
     with open(args.out + ".md", "w", encoding="utf-8") as handle:
         handle.write(f"# Shared prefill: what one more method costs\n\n`{command}`\n\n{text}")
     print(text)
