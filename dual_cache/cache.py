@@ -189,6 +189,15 @@ class DualDecoderCache(Cache):
                 f"This DualDecoderCache was built for (layers, KV heads, head_dim) = {mine}, but the model has "
                 f"{theirs}. Build it from the model's own config: DualDecoderCache(model.config, ...)."
             )
+        # the attention layout too: a layer's sliding window decides what it keeps (same shapes are not enough)
+        mine = (resolve_layer_types(self.text_config, None), getattr(self.text_config, "sliding_window", None))
+        theirs = (resolve_layer_types(text, None), getattr(text, "sliding_window", None))
+        if mine != theirs:
+            raise ValueError(
+                f"This DualDecoderCache was built for layer types {mine[0]} with sliding_window={mine[1]}, but the "
+                f"model has {theirs[0]} with sliding_window={theirs[1]}. Build it from the model's own config: "
+                "DualDecoderCache(model.config, ...)."
+            )
         if is_model:
             self.use_shard(shard)
 
@@ -472,6 +481,8 @@ class DualDecoderCache(Cache):
                 cannot serve (it keeps only the last `sliding_window - 1` tokens, so the tokens its window would
                 need again are gone): use a fresh cache for those.
         """
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative count of tokens to remove, e.g. crop(-1).")
         if tokens_to_remove < 0 and self.schedule is None and self.get_seq_length():
             remaining = self.get_seq_length() + tokens_to_remove
             fixed = -1 if self.sequences.sink_last is None else int(self.sequences.sink_last.max())

@@ -112,7 +112,9 @@ def dual_sample(
         with torch.inference_mode():
             chunk = config.prefill_chunk_size
             starts = range(stored, input_len, chunk)
-            for start in tqdm(starts, desc="prefill", unit="chunk", disable=not config.prefill_progress):
+            if config.prefill_progress:  # a tqdm bar, even disabled, starts tqdm's monitor thread
+                starts = tqdm(starts, desc="prefill", unit="chunk")
+            for start in starts:
                 end = min(start + chunk, input_len)
                 outputs = forward(
                     prompt[:, start:end], None if attention_mask is None else attention_mask[:, :end],

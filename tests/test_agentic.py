@@ -268,3 +268,51 @@ def test_a_conversation_continues_from_an_earlier_point_after_a_crop():
         with pytest.raises(ValueError, match="sliding-window layer past its window"):
             cache.crop(-2)
         assert cache.get_seq_length() == stored  # refused before anything changed
+
+
+def test_a_cache_of_another_attention_layout_is_refused_before_any_work():
+    """Same layers, KV heads and head_dim are not enough: a cache built for another sliding window or other layer
+    types would keep the wrong tokens (wrong answers) or fail inside attention."""
+    from tests.conftest import tiny_gemma3
+
+    model = tiny_gemma3()
+    ids = torch.randint(3, 90, (1, 30), generator=torch.Generator().manual_seed(2))
+    other_window = model.config.__class__(**{**model.config.to_dict(), "sliding_window": 16})
+    all_full = model.config.__class__(**{**model.config.to_dict(), "layer_types": ["full_attention"] * 4})
+    for config, message in ((other_window, "sliding_window=16"), (all_full, "full_attention', 'full_attention'")):
+        cache = DualDecoderCache(config, **FULL)
+        with pytest.raises(ValueError, match=message):
+            model.generate(ids, max_new_tokens=3, do_sample=False, cache=cache)
+        assert cache.stats()["requests"] == 0
+        cache.close()
+
+
+def test_crop_refuses_a_positive_count_with_its_own_error_past_a_sliding_window():
+    from tests.conftest import tiny_gemma3
+
+    model = tiny_gemma3()
+    cache = DualDecoderCache(model.config, **FULL)
+    model.generate(torch.randint(3, 90, (1, 30)), max_new_tokens=4, do_sample=False, cache=cache)
+    with pytest.raises(ValueError, match="pass a negative count"):
+        cache.crop(3)
+    cache.close()
+
+
+def test_generate_leaves_no_thread_behind_in_a_fresh_process():
+    """Not even tqdm's monitor thread (a disabled prefill bar would start it once per process)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import threading, torch\n"
+        "from tests.conftest import tiny_llama\n"
+        "model = tiny_llama()\n"
+        "model.generate(torch.randint(3, 90, (1, 40)), max_new_tokens=4, do_sample=False,\n"
+        "               cache_implementation='dual', cache_config={'budget': 8, 'retrieval_threads': 1})\n"
+        "print(sorted(t.name for t in threading.enumerate()))\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "['MainThread']", run.stdout

@@ -188,3 +188,43 @@ def test_prometheus_text_writes_nan_as_prometheus_reads_it():
     values["spec_hit_rate"] = float("nan")
     lines = prometheus_text(values).splitlines()
     assert "dual_speculation_hit_rate NaN" in lines and "dual_requests_running 1.0" in lines
+
+
+def test_requests_cut_short_by_a_stop_are_503_not_finished_answers(embedded):
+    """A stopped scheduler cancels running and queued requests: the clients get the OpenAI error object (503), a
+    stream an error event, never `finish_reason: "stop"` on a cut answer."""
+    model, tokenizer = embedded
+    scheduler = Scheduler(model, tokenizer, cache_config={"budget": 64, "window": 16}, max_batch=1)
+    long = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0}
+    answers = {}
+    with uvicorn_server(create_app(scheduler, tokenizer, MODEL)) as port:
+        def ask(name, body):
+            if body.get("stream"):
+                response, connection = _post(port, "/v1/completions", body)
+                answers[name] = (response.status, _events(response))
+                connection.close()
+            else:
+                answers[name] = _json(port, "/v1/completions", body)
+
+        clients = [threading.Thread(target=ask, args=("running", long)),
+                   threading.Thread(target=ask, args=("stream", {**long, "stream": True})),
+                   threading.Thread(target=ask, args=("queued", long))]
+        for client in clients:
+            client.start()
+            time.sleep(0.3)
+        deadline = time.monotonic() + 60
+        while not scheduler.metrics()["running_requests"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)  # a few decode steps of the running request
+        scheduler.cancel_all()
+        for client in clients:
+            client.join(120)
+    scheduler.stop()
+    for name in ("running", "queued"):
+        status, body = answers[name]
+        assert status == 503 and "stopped before this request finished" in body["error"]["message"], (name, body)
+    status, events = answers["stream"]
+    assert status == 200 and events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["error"]["type"] == "server_error" and "stopped before" in last["error"]["message"], last
+    assert all('"finish_reason": "stop"' not in e for e in events), events

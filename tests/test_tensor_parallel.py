@@ -120,6 +120,7 @@ def test_cli_checks_and_the_launch_command(monkeypatch):
 
     assert main(["serve", "--tp", "0"]) == 2
     assert main(["serve", "--tp-timeout", "0"]) == 2
+    assert main(["serve", "--max-host-bytes", "-5"]) == 2  # before the model loads
     args = SimpleNamespace(host="127.0.0.1", port=8001, max_batch=4, prefix_block=0, tp=2, tp_timeout=60.0,
                            model="m", cache_config=DualDecoderConfig(budget=64, layer_budgets={1: 8}),
                            max_host_bytes=None, dense=False)

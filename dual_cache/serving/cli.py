@@ -103,6 +103,9 @@ def cmd_serve(args) -> int:
         raise ValueError(f"--port must be in 1..65535, got {args.port}.")
     if args.prefix_block < 0:
         raise ValueError(f"--prefix-block must be >= 0 (0: off), got {args.prefix_block}.")
+    if args.max_host_bytes is not None and args.max_host_bytes < 1:
+        raise ValueError(f"--max-host-bytes must be >= 1 (or left out: what each cache finds available), got "
+                         f"{args.max_host_bytes}.")
     if args.tp < 1:
         raise ValueError(f"--tp must be >= 1, got {args.tp}.")
     if not args.tp_timeout > 0:

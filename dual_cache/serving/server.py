@@ -53,6 +53,10 @@ class Prompt:
     text: str | None = None
 
 
+CANCELLED = ("The server stopped before this request finished (SIGINT / SIGTERM, or its scheduler was stopped); "
+             "what it generated was discarded. Send it again.")
+
+
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(status_code=status, content=error_body(status, message, param))
 
@@ -206,6 +210,8 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str) -> FastAPI:
         failed = next((h for h in handles if h.finish_reason == "error"), None)
         if failed is not None:
             return _error(500, failed.error or "generation failed")
+        if any(h.finish_reason == "cancelled" for h in handles):  # the server stopped: never a cut answer as "stop"
+            return _error(503, CANCELLED)
         choices = [_choice(body, i, handle, prompt, chat) for i, (handle, prompt) in enumerate(zip(handles, prompts))]
         returned = sum(len(_returned(body, h)) for h in handles)
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
@@ -262,8 +268,10 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str) -> FastAPI:
                     if piece:
                         yield chunk(index, piece, None)
                     continue
-                if handle.finish_reason == "error":
-                    yield "data: " + json.dumps(error_body(500, handle.error or "generation failed")) + "\n\n"
+                if handle.finish_reason in ("error", "cancelled"):
+                    failure = error_body(500, handle.error or "generation failed") if handle.finish_reason == "error" \
+                        else error_body(503, CANCELLED)
+                    yield "data: " + json.dumps(failure) + "\n\n"
                     yield "data: [DONE]\n\n"
                     return
                 piece = streams[index].delta(handle.token_ids, final=True)
