@@ -173,7 +173,8 @@ class DualDecoderCache(Cache):
             model: the model (a transformers `PreTrainedModel`, loaded with or without a `tp_plan`), or its config.
 
         Raises:
-            ValueError: a model of other layers / KV heads / head dim; a tensor-parallel plan that cannot split the
+            ValueError: a model of other layers / KV heads / head dim, or of other layer types or `sliding_window`
+                (`layer_types.resolve_layer_types`); a tensor-parallel plan that cannot split the
                 heads evenly over its ranks (`tensor_parallel.shard_of`); a shard of other KV heads than the ones
                 this cache already stores.
         """
