@@ -75,3 +75,17 @@ def test_markdown_report_card_and_readme_row(tmp_path):
     assert row["baseline"] == "dense 80.0; streaming@256 10.0"
     assert row["dual"].startswith("@256 67.5 (-12.5 [")
     assert "average of the 2 of 3 tasks" in row["measure"] and "n = 4 per task" in row["measure"]
+
+
+def test_speculation_section_sums_the_dual_rows_that_recorded_it():
+    rows = [dict(r) for r in ROWS]
+    spec = [r for r in rows if r["method"] == "dual" and r["task"] == "vt"]
+    spec[0]["speculation"] = {"spec_hits": 9, "spec_steps": 10, "repairs": 4, "drift_repairs": 0}
+    spec[1]["speculation"] = {"spec_hits": 6, "spec_steps": 10, "repairs": 6, "drift_repairs": 1}
+    (table,) = ruler_table.build_tables(rows)
+    assert table.speculation == {"vt": {"dual@256": (15, 20, 10, 2)}}
+    text = ruler_table.markdown(rows)
+    assert "| vt | 75% · 0.50 · 2 |" in text and "| niah_single_1 | – |" in text
+    assert "Speculation, per task" not in ruler_table.markdown(ROWS)  # no row recorded it: no section
+    spec[0]["speculation"] = spec[1]["speculation"] = {"spec_hits": 0, "spec_steps": 0, "repairs": 0}
+    assert "Speculation, per task" not in ruler_table.markdown(rows)  # recorded, but no speculated step

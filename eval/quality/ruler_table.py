@@ -85,7 +85,8 @@ def _cell(scores: list[np.ndarray], diffs: list[np.ndarray] | None, rng: np.rand
 class Table:
     """The RULER table of one (model, length): `cells[task][method label]`, `average[method label]` over
     `averaged` (the tasks where dense scores at least `MIN_DENSE`; every task when no dense rows exist),
-    `excluded` (the others)."""
+    `excluded` (the others); `speculation[task][method label]`: the dual rows' summed `(spec_hits, spec_steps,
+    repairs, rows)` (rows whose `speculation` field is set; older rows lack it)."""
 
     model: str
     length: int
@@ -95,6 +96,7 @@ class Table:
     average: dict[str, Cell]
     averaged: list[str]
     excluded: list[str]
+    speculation: dict[str, dict[str, tuple[int, int, int, int]]]
 
 
 def build_tables(rows: list[dict]) -> list[Table]:
@@ -112,9 +114,15 @@ def build_tables(rows: list[dict]) -> list[Table]:
     tables = []
     for (model, length), group in sorted(groups.items()):
         scores: dict = defaultdict(dict)  # task -> label -> {sample: score}
+        speculation: dict = defaultdict(dict)  # task -> label -> (hits, steps, repairs, rows)
         for r in group:
             label = method_label(r["method"], r.get("budget"))
             scores[r["task"]].setdefault(label, {})[r["sample"]] = float(r["score"])
+            spec = r.get("speculation")
+            if spec:
+                old = speculation[r["task"]].get(label, (0, 0, 0, 0))
+                speculation[r["task"]][label] = (old[0] + spec["spec_hits"], old[1] + spec["spec_steps"],
+                                                 old[2] + spec["repairs"], old[3] + 1)
         tasks = sorted(scores, key=_task_key)
         methods = sorted({m for t in tasks for m in scores[t]}, key=_method_key)
         rng = np.random.default_rng(SEED)
@@ -148,7 +156,7 @@ def build_tables(rows: list[dict]) -> list[Table]:
                 diffs = None if any(len(d) == 0 for d in diffs) else diffs
             average[label] = _cell(values, diffs, rng)
         tables.append(Table(model, length, tasks, methods, cells, average, averaged,
-                            [t for t in tasks if t not in averaged]))
+                            [t for t in tasks if t not in averaged], dict(speculation)))
     return tables
 
 
@@ -190,7 +198,30 @@ def table_markdown(table: Table, level: int = 3) -> str:
         row += [_format(table.average.get(m), m == "dense") for m in table.methods]
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
+    lines += _speculation_markdown(table)
     return "\n".join(lines)
+
+
+def _speculation_markdown(table: Table) -> list[str]:
+    """The dual columns' speculation per task: the share of speculated tokens equal to the real one (a miss means
+    the step's selection came from the wrong query, then miss repair re-selects), and repaired (step, layer)
+    selections per speculated step. Empty without rows that carry `speculation`."""
+    labels = sorted({m for t in table.tasks for m, v in table.speculation.get(t, {}).items() if v[1]},
+                    key=_method_key)  # methods that speculated (quest and streaming rows record zero steps)
+    if not labels:
+        return []
+    lines = ["Speculation, per task: speculated tokens equal to the real one (%) · repaired (step, layer) selections "
+             "per speculated step · rows that recorded it (an oracle selects with the real token's query, so its "
+             "misses cost nothing; its hit rate is the same decoder's).", "",
+             "| task | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+    for task in table.tasks:
+        cells = []
+        for label in labels:
+            hits, steps, repairs, count = table.speculation.get(task, {}).get(label, (0, 0, 0, 0))
+            cells.append(f"{100 * hits / steps:.0f}% · {repairs / steps:.2f} · {count}" if steps else "–")
+        lines.append(f"| {task} | " + " | ".join(cells) + " |")
+    lines.append("")
+    return lines
 
 
 def markdown(rows: list[dict], level: int = 2) -> str:

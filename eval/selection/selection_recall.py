@@ -4,12 +4,14 @@
         --configs exact lowbit 'lowbit:{"lowbit_factor": 2}' 'lowbit:{"lowbit_factor": 8}' \
         --out results/selection/smollm2-135m-8k-lowbit
 
-For each word-needle prompt (`needle.make_needle_prompt`), one dense prefill (in chunks, transformers' default
+For each word-needle prompt (`needle.make_needle_prompt`), or each RULER sample of `--ruler-task` (the prompts of the
+RULER table: `ruler.generate_sample` with the model's prompt format, seed = sample index), one dense prefill (in chunks, transformers' default
 cache) records every full-attention layer's keys (after RoPE) and the queries of the last `--queries` prompt
 positions. Per layer (from `--skip-layers`), KV head and query position `p`, the exact criterion is the softmax
 attention mass summed over the GQA group over every candidate (positions past the sink and before the local window
 of `p`); `recall` is the mass of the `budget` entries a selector picks divided by the mass of the exact
-top-`budget` (1.0 = the exact selection). Each selector runs as in decoding (`dual_cache.selectors`): its index is
+top-`budget` (1.0 = the exact selection), and `top-k share` is the exact top-`budget`'s mass divided by every
+candidate's (how much a budget of that size can hold at all: low on tasks whose answer reads many positions). Each selector runs as in decoding (`dual_cache.selectors`): its index is
 built over the prompt (timed: build ms per 1K tokens per layer), then it selects for each query (timed: ms per
 layer). Reported per configuration: mean, 10th percentile and minimum recall, the key bytes a selection reads
 relative to exact scoring, the index's host bytes relative to the layer's K/V, and the two timings (this CPU;
@@ -97,7 +99,8 @@ def layer_recalls(queries: torch.Tensor, keys: torch.Tensor, scaling: float, bud
         n_sink, window: positions `< n_sink` and the `window` positions before each query are not candidates.
 
     Returns:
-        `{index in configs: {"recall": (Q·H_kv,) float32, "build_s": seconds, "select_s": seconds per select,
+        `{index in configs: {"recall": (Q·H_kv,) float32, "share": (Q·H_kv,) float32 (exact top-`budget` mass /
+        candidate mass), "build_s": seconds, "select_s": seconds per select,
         "index_bytes": int, "kv_bytes": int, "read": key bytes per select}}`.
     """
     n, count = keys.shape[2], queries.shape[2]
@@ -112,7 +115,7 @@ def layer_recalls(queries: torch.Tensor, keys: torch.Tensor, scaling: float, bud
         start = time.thread_time()
         selector.extend(n, first_real)
         build = time.thread_time() - start
-        recalls, select_time, read = [], 0.0, 0.0
+        recalls, shares, select_time, read = [], [], 0.0, 0.0
         for j in range(count):
             hi = n - count + j - window  # the query at position p = n - count + j: window [p - window, p)
             candidates = Candidates(torch.arange(hi)[None, :] >= n_sink, first_real)
@@ -123,8 +126,9 @@ def layer_recalls(queries: torch.Tensor, keys: torch.Tensor, scaling: float, bud
             indices, valid = selector.select(query, candidates, scaling)
             select_time += time.thread_time() - start
             recalls.append(((torch.gather(mass, 2, indices) * valid).sum(-1) / best)[0])
+            shares.append((best / mass.sum(-1))[0])
             read += sum(selector.key_bytes_read(hi))
-        out[index] = {"recall": torch.cat(recalls), "build_s": build, "select_s": select_time / count,
+        out[index] = {"recall": torch.cat(recalls), "share": torch.cat(shares), "build_s": build, "select_s": select_time / count,
                       "index_bytes": selector.host_bytes, "kv_bytes": store.nbytes, "read": read / count,
                       "exact_read": float(keys.shape[1] * keys.shape[3] * 4 * (n - window))}
         selector.free()
@@ -134,9 +138,13 @@ def layer_recalls(queries: torch.Tensor, keys: torch.Tensor, scaling: float, bud
 
 def add_recording_arguments(parser: argparse.ArgumentParser, seeds: str = "0-3") -> None:
     """The arguments of a tool that scores selections on recorded needle prefills: --tokens, --seeds, --budget,
-    --queries, --skip-layers, --threads, --model, --out."""
+    --queries, --skip-layers, --threads, --model, --ruler-task, --out."""
+    from ..quality.ruler import TASKS
+
     parser.add_argument("--tokens", type=int, default=8192, help="prompt length (tokens)")
-    parser.add_argument("--seeds", default=seeds, help="needle prompts, e.g. 0-3 or 0,5")
+    parser.add_argument("--seeds", default=seeds, help="needle prompts (or RULER samples), e.g. 0-3 or 0,5")
+    parser.add_argument("--ruler-task", choices=[t for t in TASKS if not t.startswith("qa")], default=None,
+                        help="score RULER samples of this task (the RULER table's prompts) instead of word needles")
     parser.add_argument("--budget", type=int, default=256, help="tokens per KV head")
     parser.add_argument("--queries", type=int, default=16, help="last prompt positions whose queries are scored")
     parser.add_argument("--skip-layers", type=int, default=2, help="leave out the first layers (larger budget)")
@@ -160,12 +168,23 @@ def recorded_layers(args: argparse.Namespace, seeds: list[int]):
     `--skip-layers` of each seed's needle prefill, loading `--model` once."""
     model, tokenizer = load_tool_model(args.threads, args.model)
     for seed in seeds:
-        prompt = make_needle_prompt(tokenizer, args.tokens, seed=seed)
-        layers = record_prefill(model, torch.tensor([format_chat(tokenizer, prompt.text)]), args.queries)
+        layers = record_prefill(model, torch.tensor([prompt_ids(args, tokenizer, seed)]), args.queries)
         for layer, (queries, keys, scaling) in sorted(layers.items()):
             if layer >= args.skip_layers:
                 yield layer, queries, keys, scaling
         print(f"seed {seed}: {len(layers)} full-attention layers recorded", flush=True)
+
+
+def prompt_ids(args: argparse.Namespace, tokenizer, seed: int) -> list[int]:
+    """The token ids of prompt `seed`: a word needle of `--tokens` tokens in the model's chat format, or with
+    `--ruler-task` that task's RULER sample `seed` at length `--tokens` (as `dual-decoder eval run --suites ruler`
+    builds it with the default `--chat-template auto` and `--seed 0`)."""
+    if args.ruler_task is None:
+        return format_chat(tokenizer, make_needle_prompt(tokenizer, args.tokens, seed=seed).text)
+    from ..quality.chat_format import prompt_format
+    from ..quality.ruler import generate_sample
+
+    return list(generate_sample(tokenizer, args.ruler_task, args.tokens, seed, prompt_format(tokenizer))["input_ids"])
 
 
 def recall_summary(recall: torch.Tensor) -> dict:
@@ -200,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         recall = torch.cat([p["recall"] for p in parts])
         rows.append({
             "selector": name, "options": options, **recall_summary(recall),
+            "topk_share": torch.cat([p["share"] for p in parts]).mean().item(),
             "keys_read": sum(p["read"] for p in parts) / sum(p["exact_read"] for p in parts),
             "index_fraction": sum(p["index_bytes"] for p in parts) / sum(p["kv_bytes"] for p in parts),
             "build_ms_per_1k_tokens": 1e3 * sum(p["build_s"] for p in parts) / len(parts) / (args.tokens / 1000),
@@ -207,9 +227,12 @@ def main(argv: list[str] | None = None) -> int:
             "per_layer": {layer: recall_summary(torch.cat(values)) for layer, values in sorted(by_layer[index].items())},
         })
     label = model_display_name(args.model)
-    lines = [f"Recall of the exact top-{args.budget} attention mass per selector; {label}, word-needle prompts of "
+    prompts = f"RULER {args.ruler_task} samples" if args.ruler_task else "word-needle prompts"
+    share = f" The exact top-{args.budget} holds {rows[0]['topk_share']:.1%} of the candidates' attention mass." if rows else ""
+    lines = [f"Recall of the exact top-{args.budget} attention mass per selector; {label}, {prompts} of "
              f"{args.tokens} tokens, seeds {args.seeds}, the last {args.queries} prompt positions' queries, "
-             f"full-attention layers {args.skip_layers}+ × KV heads. Timings: this CPU, thread time, one run.", "",
+             f"full-attention layers {args.skip_layers}+ × KV heads.{share} Timings: this CPU, thread time, one run.",
+             "",
              "| selector | options | mean | p10 | min | key bytes read vs exact | index / KV | build ms per 1K "
              "tokens·layer | select ms per layer |", "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['selector']} | {json.dumps(r['options']) if r['options'] else 'default'} | {r['mean']:.4f} | "
