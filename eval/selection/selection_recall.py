@@ -4,18 +4,18 @@
         --configs exact lowbit 'lowbit:{"lowbit_factor": 2}' 'lowbit:{"lowbit_factor": 8}' \
         --out results/selection/smollm2-135m-8k-lowbit
 
-For each word-needle prompt (`needle.make_needle_prompt`), or each RULER sample of `--ruler-task` (the prompts of the
-RULER table: `ruler.generate_sample` with the model's prompt format, seed = sample index), one dense prefill (in chunks, transformers' default
-cache) records every full-attention layer's keys (after RoPE) and the queries of the last `--queries` prompt
-positions. Per layer (from `--skip-layers`), KV head and query position `p`, the exact criterion is the softmax
-attention mass summed over the GQA group over every candidate (positions past the sink and before the local window
-of `p`); `recall` is the mass of the `budget` entries a selector picks divided by the mass of the exact
-top-`budget` (1.0 = the exact selection), and `top-k share` is the exact top-`budget`'s mass divided by every
-candidate's (how much a budget of that size can hold at all: low on tasks whose answer reads many positions). Each selector runs as in decoding (`dual_cache.selectors`): its index is
-built over the prompt (timed: build ms per 1K tokens per layer), then it selects for each query (timed: ms per
-layer). Reported per configuration: mean, 10th percentile and minimum recall, the key bytes a selection reads
-relative to exact scoring, the index's host bytes relative to the layer's K/V, and the two timings (this CPU;
-compare within one run).
+For each word-needle prompt (`needle.make_needle_prompt`), or each RULER sample of `--ruler-task` (the prompts of
+the RULER table: `ruler.generate_sample` with the model's prompt format, seed = sample index), one dense prefill (in
+chunks, transformers' default cache) records every full-attention layer's keys (after RoPE) and the queries of the
+last `--queries` prompt positions. Per layer (from `--skip-layers`), KV head and query position `p`, the exact
+criterion is the softmax attention mass summed over the GQA group over every candidate (positions past the sink and
+before the local window of `p`); `recall` is the mass of the `budget` entries a selector picks divided by the mass
+of the exact top-`budget` (1.0 = the exact selection), and `top-k share` is the exact top-`budget`'s mass divided by
+every candidate's (how much a budget of that size can hold at all: low on tasks whose answer reads many positions).
+Each selector runs as in decoding (`dual_cache.selectors`): its index is built over the prompt (timed: build ms per
+1K tokens per layer), then it selects for each query (timed: ms per layer). Reported per configuration: mean, 10th
+percentile and minimum recall, the key bytes a selection reads relative to exact scoring, the index's host bytes
+relative to the layer's K/V, and the two timings (this CPU; compare within one run).
 """
 
 from __future__ import annotations
@@ -128,7 +128,8 @@ def layer_recalls(queries: torch.Tensor, keys: torch.Tensor, scaling: float, bud
             recalls.append(((torch.gather(mass, 2, indices) * valid).sum(-1) / best)[0])
             shares.append((best / mass.sum(-1))[0])
             read += sum(selector.key_bytes_read(hi))
-        out[index] = {"recall": torch.cat(recalls), "share": torch.cat(shares), "build_s": build, "select_s": select_time / count,
+        out[index] = {"recall": torch.cat(recalls), "share": torch.cat(shares), "build_s": build,
+                      "select_s": select_time / count,
                       "index_bytes": selector.host_bytes, "kv_bytes": store.nbytes, "read": read / count,
                       "exact_read": float(keys.shape[1] * keys.shape[3] * 4 * (n - window))}
         selector.free()
@@ -228,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         })
     label = model_display_name(args.model)
     prompts = f"RULER {args.ruler_task} samples" if args.ruler_task else "word-needle prompts"
-    share = f" The exact top-{args.budget} holds {rows[0]['topk_share']:.1%} of the candidates' attention mass." if rows else ""
+    share = (f" The exact top-{args.budget} holds {rows[0]['topk_share']:.1%} of the candidates' attention mass."
+             if rows else "")
     lines = [f"Recall of the exact top-{args.budget} attention mass per selector; {label}, {prompts} of "
              f"{args.tokens} tokens, seeds {args.seeds}, the last {args.queries} prompt positions' queries, "
              f"full-attention layers {args.skip_layers}+ × KV heads.{share} Timings: this CPU, thread time, one run.",

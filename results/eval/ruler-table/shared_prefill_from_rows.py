@@ -33,7 +33,8 @@ for path in args.paths:
             label = row["method"] + (f"@{row['budget']}" if row.get("budget") else "")
             groups[label].append((row["seconds"], row["prefill_seconds"], row["new_tokens"]))
 print(f"Rows: {', '.join(args.paths)} (from row {args.since}); seconds are wall time on this CPU, one run.\n")
-print("| method | rows | median prefill s | median method s | added / stand-alone, median | mean | fixed s | s per new token |")
+print("| method | rows | median prefill s | median method s | added / stand-alone, median | mean | fixed s "
+      "| s per new token |")
 print("|---|---|---|---|---|---|---|---|")
 for label, values in sorted(groups.items()):
     seconds, prefill, tokens = (np.array(v, dtype=float) for v in zip(*values))
