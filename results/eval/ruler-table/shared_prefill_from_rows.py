@@ -19,6 +19,8 @@ from collections import defaultdict
 
 import numpy as np
 
+from dual_cache.eval.quality.ruler_table import method_label
+
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("paths", nargs="+")
 parser.add_argument("--since", type=int, default=0, help="skip each file's first N rows")
@@ -30,7 +32,7 @@ for path in args.paths:
             row = json.loads(line)
             if i < args.since or row.get("prefill_seconds") is None:
                 continue
-            label = row["method"] + (f"@{row['budget']}" if row.get("budget") else "")
+            label = method_label(row["method"], row.get("budget"))
             groups[label].append((row["seconds"], row["prefill_seconds"], row["new_tokens"]))
 print(f"Rows: {', '.join(args.paths)} (from row {args.since}); seconds are wall time on this CPU, one run.\n")
 print("| method | rows | median prefill s | median method s | added / stand-alone, median | mean | fixed s "
