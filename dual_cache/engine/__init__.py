@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from ..sync_points import uncounted
-from . import native, reference
+from . import native, profiling, reference
 from .codes import GROUP, padded_dim
 
 KEY_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -191,13 +191,15 @@ def _native_select(library, query, mask, keys, budget, scaling, view, shortlist,
         params_ptr = _int64s([params.data_ptr() + (r * params.stride(0) + h * params.stride(1)) * 2
                               for r in rows for h in range(kv_heads)])
         group_first, n_groups = _int64s(first.tolist()), _int64s(groups.tolist())
+    profile = profiling.buffer(batch * kv_heads)
     status = library.dc_select(
         batch, kv_heads, q_heads // kv_heads, dim, KEY_TYPES[keys[0].dtype], query.data_ptr(), scaling,
         mask.shape[1], mask.data_ptr(), len(keys), _int64s(starts), _int64s(lengths), seg_ptr, codes_ptr,
         params_ptr, group_first, n_groups, dim_q, quads, shortlist, budget, indices.data_ptr(), valid.data_ptr(),
-        value_ptr, out_keys, out_values, max(1, threads))
+        value_ptr, out_keys, out_values, max(1, threads), None if profile is None else profile.data_ptr())
     if status != 0:
         raise MemoryError("The native selection engine could not allocate its scratch memory.")
+    profiling.record(profile, batch * kv_heads)
     return indices, valid
 
 

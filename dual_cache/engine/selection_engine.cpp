@@ -14,6 +14,7 @@
 // Floating-point work is written as fixed 16-lane loops with no contraction (-ffp-contract=off), so every build
 // variant and thread count returns the same selection.
 #include <algorithm>
+#include <chrono>
 #include <functional>
 #include <cmath>
 #include <cstdint>
@@ -75,6 +76,27 @@ struct Call {
   const int64_t* value_ptr;  // (batch * kv_heads, n_segs) address of the task's first value row in the segment
   char* out_keys;            // (batch, kv_heads, budget, dim) of the key type
   char* out_values;          // (batch, kv_heads, budget, dim)
+  int64_t* profile;          // (batch * kv_heads, PHASES) nanoseconds per phase, then the call's wall; or nullptr
+};
+
+// --- profile: thread time per phase of a task (Call.profile; off when nullptr) ---------------------------------
+enum Phase { SCAN_SETUP = 0, SCAN_SAMPLE, SCAN_MAIN, SHORTLIST, EXACT_READS, EXACT_TOPK, GATHER, PHASES };
+
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+struct Clock {  // adds the time since the last mark to a phase of one task's row
+  int64_t* row;
+  int64_t last;
+  explicit Clock(int64_t* r) : row(r), last(r ? now_ns() : 0) {}
+  void mark(Phase phase) {
+    if (!row) return;
+    const int64_t t = now_ns();
+    row[phase] += t - last;
+    last = t;
+  }
 };
 
 struct Scratch {
@@ -943,7 +965,8 @@ inline void prefetch_group(const uint8_t* codes, const uint16_t* params, int64_t
 }
 
 // score[i] for every covered position i = position - group_first (m: the mask from group_first on)
-void scan_index(const Call& c, int64_t task, const float* q, int64_t groups, const uint8_t* m, Scratch& s) {
+void scan_index(const Call& c, int64_t task, const float* q, int64_t groups, const uint8_t* m, Scratch& s,
+                Clock& clock) {
   const int64_t G = c.group, dq = c.dim_q, Q = dq / 4;
   const int64_t R = std::max<int64_t>(1, std::min(c.quads, Q));
   const uint8_t* codes = reinterpret_cast<const uint8_t*>(c.codes_ptr[task]);
@@ -969,6 +992,7 @@ void scan_index(const Call& c, int64_t task, const float* q, int64_t groups, con
   s.sample_a.resize(sampled * G);
   s.sample_c.resize(sampled * G);
   s.logits.resize(sampled * G * GROUP);  // l_h(t), head-major: [h][sample][t]
+  clock.mark(SCAN_SETUP);
   for (int64_t i = 0; i < sampled; ++i) {
     const int64_t g = i * SAMPLE_EVERY;
     if (i + PREFETCH_GROUPS < sampled) prefetch_group(codes, params, dq, s.quads.data(), R, g + PREFETCH_GROUPS * SAMPLE_EVERY);
@@ -993,6 +1017,7 @@ void scan_index(const Call& c, int64_t task, const float* q, int64_t groups, con
     exp_nonpositive(l, n);
     s.offset[h] = peak + static_cast<float>(std::log(static_cast<double>(sum_lanes(l, n))));
   }
+  clock.mark(SCAN_SAMPLE);
   const int64_t covered = groups * GROUP;
   s.score.resize(covered);
   s.acc.resize(G * GROUP);
@@ -1018,11 +1043,13 @@ void scan_index(const Call& c, int64_t task, const float* q, int64_t groups, con
     }
     group_scores(G, acc, A, B, m + g * GROUP, &s.score[g * GROUP]);
   }
+  clock.mark(SCAN_MAIN);
 }
 
 
 // --- one (sequence, KV head) -------------------------------------------------------------------------------
 void run_task(const Call& c, int64_t task, Scratch& s) {
+  Clock clock(c.profile ? c.profile + task * PHASES : nullptr);
   const int64_t b = task / c.kv_heads, G = c.group, end = c.end;
   const uint8_t* mask = c.mask + b * end;
   s.q.assign(G * c.dim_pad, 0.0f);
@@ -1038,13 +1065,14 @@ void run_task(const Call& c, int64_t task, Scratch& s) {
     for (int64_t p = 0; p < std::min(first, end); ++p)
       if (mask[p]) s.positions.push_back(p);
     const uint8_t* m = mask + first;
-    scan_index(c, task, s.q.data(), groups, m, s);
+    scan_index(c, task, s.q.data(), groups, m, s, clock);
     int64_t usable = 0;
     for (int64_t i = 0; i < covered; ++i) usable += m[i];
     top_m(s.score.data(), covered, std::min(c.shortlist, usable), s, s.chosen);  // ascending
     for (int64_t i : s.chosen) s.positions.push_back(first + i);
     for (int64_t p = covered_end; p < end; ++p)
       if (mask[p]) s.positions.push_back(p);
+    clock.mark(SHORTLIST);
   } else {
     for (int64_t p = 0; p < end; ++p)
       if (mask[p]) s.positions.push_back(p);
@@ -1084,6 +1112,7 @@ void run_task(const Call& c, int64_t task, Scratch& s) {
       dots_dispatch(G, s.q.data(), s.row.data(), c.dim_pad, c.scaling, &s.logits[r], n);
     }
   }
+  clock.mark(EXACT_READS);
   s.score.assign(n, 0.0f);
   for (int64_t h = 0; h < G; ++h) {
     float* l = &s.logits[h * n];
@@ -1101,6 +1130,7 @@ void run_task(const Call& c, int64_t task, Scratch& s) {
     out[i] = i < k ? s.positions[s.chosen[i]] : 0;
     valid[i] = i < k ? 1 : 0;
   }
+  clock.mark(EXACT_TOPK);
   if (c.value_ptr) {  // the gather: each slot's key and value rows (an invalid slot's: position 0's)
     int64_t key_hint = 0, value_hint = 0;
     for (int64_t i = 0; i < c.budget; ++i) {
@@ -1108,6 +1138,7 @@ void run_task(const Call& c, int64_t task, Scratch& s) {
       std::memcpy(c.out_keys + at, key_row(c, task, out[i], key_hint), row_bytes);
       std::memcpy(c.out_values + at, row_at(c, c.value_ptr, task, out[i], value_hint), row_bytes);
     }
+    clock.mark(GATHER);
   }
 }
 
@@ -1217,10 +1248,12 @@ int dc_select(int64_t batch, int64_t kv_heads, int64_t group, int64_t dim, int k
               const int64_t* seg_len, const int64_t* seg_ptr, const int64_t* codes_ptr, const int64_t* params_ptr,
               const int64_t* group_first, const int64_t* n_groups, int64_t dim_q, int64_t quads,
               int64_t shortlist, int64_t budget, int64_t* out_indices, uint8_t* out_valid, const int64_t* value_ptr,
-              void* out_keys, void* out_values, int threads) {
+              void* out_keys, void* out_values, int threads, int64_t* profile) {
+  const int64_t started = profile ? now_ns() : 0;
   Call c{batch, kv_heads, group, dim, (dim + LANES - 1) / LANES * LANES, key_type, query, scaling, end, mask,
          n_segs, seg_start, seg_len, seg_ptr, codes_ptr, params_ptr, group_first, n_groups, dim_q, quads, shortlist,
-         budget, out_indices, out_valid, value_ptr, static_cast<char*>(out_keys), static_cast<char*>(out_values)};
+         budget, out_indices, out_valid, value_ptr, static_cast<char*>(out_keys), static_cast<char*>(out_values),
+         profile};
   const int64_t tasks = batch * kv_heads;
   // a thread is started per call: only for work that outweighs starting it (the result never depends on it)
   const int64_t worth = std::max<int64_t>(1, tasks * end / MIN_POSITIONS_PER_THREAD);
@@ -1246,6 +1279,10 @@ int dc_select(int64_t batch, int64_t kv_heads, int64_t group, int64_t dim, int k
     }
     work(0);
     for (auto& t : pool) t.join();
+  }
+  if (profile) {
+    profile[tasks * PHASES] = now_ns() - started;
+    profile[tasks * PHASES + 1] = workers;
   }
   for (int f : failed)
     if (f) return -1;
