@@ -36,12 +36,12 @@ def _problem(seed, batch, kv_heads, group, dim, n, dtype, chunks=3, shared=False
     groups = torch.div(end - first, codes.GROUP, rounding_mode="floor")
     dim_q = codes.padded_dim(dim)
     capacity = int(groups.max()) + 1
-    packed = torch.zeros(batch, kv_heads, capacity, 16 * dim_q, dtype=torch.uint8)
+    packed = torch.zeros(batch, kv_heads, dim_q // 4, capacity, 64, dtype=torch.uint8).permute(0, 1, 3, 2, 4)
     params = torch.zeros(batch, kv_heads, capacity, 2, dim_q, dtype=torch.bfloat16)
     for b in range(batch):
         g, f = int(groups[b]), int(first[b])
         p, q = codes.quantize(keys[b, :, f : f + g * codes.GROUP].reshape(kv_heads * g, codes.GROUP, dim))
-        packed[b, :, :g], params[b, :, :g] = p.view(kv_heads, g, -1), q.view(kv_heads, g, 2, -1)
+        packed[b, :, :g], params[b, :, :g] = p.view(kv_heads, g, -1, 64), q.view(kv_heads, g, 2, -1)
     return query, mask, pieces, engine.IndexView(packed, params, first, groups)
 
 

@@ -27,9 +27,11 @@ class IndexView:
     call selects for (`select`'s `rows`).
 
     Attributes:
-        packed: `(B, H_kv, capacity, 16 · D_q)` uint8, contiguous per (sequence, KV head) (groups in order): every
-            sequence of the store.
-        params: `(B, H_kv, capacity, 2, D_q)` bfloat16 per-channel minimum and step of each group.
+        packed: `(B, H_kv, capacity, D_q / 4, 64)` uint8: the 64-byte line of each (group, channel quad) (`codes.py`),
+            every sequence of the store. Any strides with contiguous lines; the `lowbit` selector stores each quad's
+            lines of all groups one after another, so a scan reads one stream per quad it reads.
+        params: `(B, H_kv, capacity, 2, D_q)` bfloat16 per-channel minimum and step of each group, contiguous per
+            (sequence, KV head).
         group_first: `(b,)` int64 first position of each selected sequence's group 0.
         n_groups: `(b,)` int64 complete groups indexed per selected sequence.
     """
@@ -112,14 +114,15 @@ def _select(query, mask, keys, budget, scaling, index, shortlist, quads, threads
     if isinstance(quads, bool) or not isinstance(quads, int) or not 1 <= quads <= all_quads:
         raise ValueError(f"select needs 1 <= quads <= {all_quads} (channel quads of a {dim}-channel head), got "
                          f"{quads!r}.")
-    view = None
-    if index is not None:
-        view = (index.packed, index.params, index.group_first, index.usable(end))
     library = native.library()
+    view = None
+    if index is not None:  # the engine clamps the groups to `end` itself
+        view = (index.packed, index.params, index.group_first,
+                index.n_groups if library is not None else index.usable(end))
     if library is None or budget == 0 or end == 0:
         picked = [chunk if chunk.shape[0] == 1 else chunk[rows] for chunk in keys]
         if view is not None:
-            view = (view[0][rows], view[1][rows], view[2], view[3])
+            view = (view[0][rows], view[1][rows], view[2], index.usable(end))
         indices, valid = reference.select(query, mask, picked, budget, scaling, view, shortlist, quads)
         if out is not None:
             reference.gather(picked, indices, out[0])
@@ -146,57 +149,59 @@ def _int64s(values: list[int]):
     return (ctypes.c_int64 * len(values))(*values)
 
 
-def _segment_rows(chunks, rows: list[int], kv_heads: int) -> list[list[int]]:
-    """Per chunk, the address of each selected (sequence, KV head)'s first row (a chunk of batch 1 serves every
-    sequence); `rows` are the store's sequences."""
-    element = chunks[0].element_size()
-    addresses = []
-    for chunk in chunks:
-        base, s0, s1 = chunk.data_ptr(), chunk.stride(0) * element, chunk.stride(1) * element
-        shared = chunk.shape[0] == 1
-        addresses.append([base + (0 if shared else r * s0) + h * s1 for r in rows for h in range(kv_heads)])
-    return addresses
+def _chunk_table(keys, values) -> list[int]:
+    """Per chunk (`selection_engine.cpp`, `Seg`): first position, length, then the base address and the byte strides
+    of a sequence and of a KV head, for the keys and the values (0s without values; a chunk of batch 1 serves every
+    sequence: sequence stride 0)."""
+    table, start = [], 0
+    for i, chunk in enumerate(keys):
+        element = chunk.element_size()
+        fields = [start, chunk.shape[2]]
+        for tensor in (chunk, None if values is None else values[i]):
+            if tensor is None:
+                fields += [0, 0, 0]
+            else:
+                shared = tensor.shape[0] == 1
+                fields += [tensor.data_ptr(), 0 if shared else tensor.stride(0) * element, tensor.stride(1) * element]
+        table += fields
+        start += chunk.shape[2]
+    return table
+
+
+def _index_table(packed: torch.Tensor, params: torch.Tensor) -> list[int]:
+    """The index's addresses and byte strides (`selection_engine.cpp`, `Index`); ValueError for a layout the engine
+    cannot read."""
+    if packed.shape[-1] != 64 or packed.stride(-1) != 1 or params.stride(-1) != 1 \
+            or params.stride(-2) != params.shape[-1] or params.stride(-3) != 2 * params.shape[-1]:
+        raise ValueError("The index's code lines (last axis of 64 bytes) and its parameters per (sequence, KV head) "
+                         "must be contiguous.")
+    return [packed.data_ptr(), packed.stride(0), packed.stride(1), packed.stride(3), packed.stride(2),
+            params.data_ptr(), params.stride(0) * 2, params.stride(1) * 2]
 
 
 def _native_select(library, query, mask, keys, budget, scaling, view, shortlist, threads, quads=None, values=None,
                    out=None, rows=None):
     batch, q_heads, dim = query.shape
     kv_heads = keys[0].shape[1]
-    starts, lengths = [], []
-    start = 0
-    for chunk in keys:
-        starts.append(start)
-        lengths.append(chunk.shape[2])
-        start += chunk.shape[2]
     rows = list(range(batch)) if rows is None else rows
-    tasks = range(batch * kv_heads)
-    addresses = _segment_rows(keys, rows, kv_heads)
-    seg_ptr = _int64s([row[task] for task in tasks for row in addresses])  # (b·H_kv, chunks)
-    value_ptr = out_keys = out_values = None
+    out_keys = out_values = None
     if values is not None:
-        value_rows = _segment_rows(values, rows, kv_heads)
-        value_ptr = _int64s([row[task] for task in tasks for row in value_rows])
         out_keys, out_values = out[0].data_ptr(), out[1].data_ptr()
     indices = torch.empty(batch, kv_heads, budget, dtype=torch.long)
     valid = torch.empty(batch, kv_heads, budget, dtype=torch.bool)
-    codes_ptr = params_ptr = group_first = n_groups = None
+    index = group_first = n_groups = None
     dim_q = padded_dim(dim)
     quads = dim_q // 4 if quads is None else quads
     if view is not None:
         packed, params, first, groups = view
-        if not (packed.is_contiguous() and params.is_contiguous()):
-            raise ValueError("The index's packed codes and parameters must be contiguous tensors.")
-        codes_ptr = _int64s([packed.data_ptr() + r * packed.stride(0) + h * packed.stride(1)
-                             for r in rows for h in range(kv_heads)])
-        params_ptr = _int64s([params.data_ptr() + (r * params.stride(0) + h * params.stride(1)) * 2
-                              for r in rows for h in range(kv_heads)])
+        index = _int64s(_index_table(packed, params))
         group_first, n_groups = _int64s(first.tolist()), _int64s(groups.tolist())
     profile = profiling.buffer(batch * kv_heads)
     status = library.dc_select(
         batch, kv_heads, q_heads // kv_heads, dim, KEY_TYPES[keys[0].dtype], query.data_ptr(), scaling,
-        mask.shape[1], mask.data_ptr(), len(keys), _int64s(starts), _int64s(lengths), seg_ptr, codes_ptr,
-        params_ptr, group_first, n_groups, dim_q, quads, shortlist, budget, indices.data_ptr(), valid.data_ptr(),
-        value_ptr, out_keys, out_values, max(1, threads), None if profile is None else profile.data_ptr())
+        mask.shape[1], mask.data_ptr(), _int64s(rows), len(keys), _int64s(_chunk_table(keys, values)), index,
+        group_first, n_groups, dim_q, quads, shortlist, budget, indices.data_ptr(), valid.data_ptr(), out_keys,
+        out_values, max(1, threads), None if profile is None else profile.data_ptr())
     if status != 0:
         raise MemoryError("The native selection engine could not allocate its scratch memory.")
     profiling.record(profile, batch * kv_heads)

@@ -1,4 +1,4 @@
-"""Where one native engine call's time goes: per (sequence, KV head) task, the thread time of each phase.
+"""Where one native engine call's time goes: per (sequence, KV head) task, the CPU time of each phase.
 
 `recording()` asks every native `select` call made on this thread inside it to time its phases (a few clock reads
 per task; without a recording the engine reads no clock). Used by `dual_cache.eval.selection.profile_selection`.
@@ -21,9 +21,10 @@ _local = threading.local()
 
 @dataclass
 class CallProfile:
-    """One engine call: `phase_ns` `(tasks, len(PHASES))` int64 thread nanoseconds per (sequence, KV head) task
-    and phase (a phase summed over threads), `wall_ns` the call's wall time inside the engine (threads included),
-    `workers` the threads it ran on."""
+    """One engine call: `phase_ns` `(tasks, len(PHASES))` int64 CPU nanoseconds of the thread that ran each
+    (sequence, KV head) task, per phase (time spent waiting for memory counts, time the thread was descheduled does
+    not, so other load on the host inflates it less than wall time), `wall_ns` the call's wall time inside the engine
+    (threads started and joined included), `workers` the threads it ran on."""
 
     phase_ns: torch.Tensor
     wall_ns: int

@@ -215,7 +215,8 @@ def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor]
             usable = mask[b, covered]
             picked = []
             for h in range(kv_heads):
-                score = scan_scores(q[h], packed[b, h, :groups], params[b, h, :groups], scaling, quads, usable)
+                lines = packed[b, h, :groups].reshape(groups, -1)  # (groups, 16 · D_q), codes.py's group layout
+                score = scan_scores(q[h], lines, params[b, h, :groups], scaling, quads, usable)
                 picked.append(covered[usable][top_by_score(score[usable], min(shortlist, int(usable.sum())))])
             picked = torch.stack(picked)  # (H, m)
             before = candidates[candidates < first].expand(kv_heads, -1)

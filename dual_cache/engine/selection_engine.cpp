@@ -22,6 +22,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <time.h>
 #include <vector>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -31,7 +32,8 @@ namespace {
 
 constexpr int64_t GROUP = 64;  // tokens per index group
 constexpr int LANES = 16;
-constexpr int64_t PREFETCH = 8;  // rows of the exact stage requested ahead
+constexpr int64_t EXACT_AHEAD = 16;  // scattered rows of the exact stage requested ahead
+constexpr int64_t GATHER_AHEAD = 8;  // value rows of the gather requested ahead
 constexpr int64_t MIN_POSITIONS_PER_THREAD = 16384;  // (sequence, KV head, position) triples per started thread
 
 enum KeyType { F32 = 0, BF16 = 1, F16 = 2 };
@@ -57,13 +59,12 @@ struct Call {
   float scaling;
   int64_t end;             // selectable positions [0, end)
   const uint8_t* mask;     // (batch, end)
+  const int64_t* rows;     // (batch,) the stored sequence of each query row
+  // the key (and value) chunks: per chunk SEG_FIELDS int64, see `Seg`
   int64_t n_segs;
-  const int64_t* seg_start;  // (n_segs,) first position of each key segment
-  const int64_t* seg_len;    // (n_segs,)
-  const int64_t* seg_ptr;    // (batch * kv_heads, n_segs) address of the task's first key row in the segment
-  // 2-bit index (codes == nullptr: exact over every candidate)
-  const int64_t* codes_ptr;   // (batch * kv_heads,) address of group 0's codes (dim_q * 16 bytes per group)
-  const int64_t* params_ptr;  // (batch * kv_heads,) address of group 0's bf16 [min | scale] (2 * dim_q per group)
+  const int64_t* segs;
+  // 2-bit index (nullptr: exact over every candidate): INDEX_FIELDS int64, see `Index`
+  const int64_t* index;
   const int64_t* group_first; // (batch,)
   const int64_t* n_groups;    // (batch,)
   int64_t dim_q;              // channels of the index (dim rounded up to a multiple of 4)
@@ -72,14 +73,22 @@ struct Call {
   int64_t budget;
   int64_t* out_indices;  // (batch, kv_heads, budget)
   uint8_t* out_valid;    // (batch, kv_heads, budget)
-  // optional gather of the selected K/V rows (value_ptr == nullptr: none)
-  const int64_t* value_ptr;  // (batch * kv_heads, n_segs) address of the task's first value row in the segment
+  // optional gather of the selected K/V rows (out_keys == nullptr: none; the chunks' value fields are then unused)
   char* out_keys;            // (batch, kv_heads, budget, dim) of the key type
   char* out_values;          // (batch, kv_heads, budget, dim)
   int64_t* profile;          // (batch * kv_heads, PHASES) nanoseconds per phase, then the call's wall; or nullptr
 };
 
-// --- profile: thread time per phase of a task (Call.profile; off when nullptr) ---------------------------------
+// fields of one key/value chunk (addresses and strides in bytes; a sequence stride of 0: one sequence's chunk that
+// every query row reads, a shared prefix)
+enum Seg { SEG_START = 0, SEG_LEN, KEY_BASE, KEY_SEQ_STRIDE, KEY_HEAD_STRIDE, VALUE_BASE, VALUE_SEQ_STRIDE,
+           VALUE_HEAD_STRIDE, SEG_FIELDS };
+// fields of the index (bytes): codes of (sequence, KV head, quad, group) at CODES_BASE + the strides; the bf16
+// parameters of (sequence, KV head) at PARAMS_BASE + the strides, 2 * dim_q per group, groups contiguous
+enum Index { CODES_BASE = 0, CODES_SEQ_STRIDE, CODES_HEAD_STRIDE, CODES_QUAD_STRIDE, CODES_GROUP_STRIDE, PARAMS_BASE,
+             PARAMS_SEQ_STRIDE, PARAMS_HEAD_STRIDE, INDEX_FIELDS };
+
+// --- profile: thread CPU time per phase of a task (Call.profile; off when nullptr) -----------------------------
 enum Phase { SCAN_SETUP = 0, SCAN_SAMPLE, SCAN_MAIN, SHORTLIST, EXACT_READS, EXACT_TOPK, GATHER, PHASES };
 
 inline int64_t now_ns() {
@@ -87,13 +96,19 @@ inline int64_t now_ns() {
       .count();
 }
 
+inline int64_t thread_ns() {  // CPU time of the calling thread (time it waits for memory included, time off-CPU not)
+  timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<int64_t>(t.tv_sec) * 1000000000 + t.tv_nsec;
+}
+
 struct Clock {  // adds the time since the last mark to a phase of one task's row
   int64_t* row;
   int64_t last;
-  explicit Clock(int64_t* r) : row(r), last(r ? now_ns() : 0) {}
+  explicit Clock(int64_t* r) : row(r), last(r ? thread_ns() : 0) {}
   void mark(Phase phase) {
     if (!row) return;
-    const int64_t t = now_ns();
+    const int64_t t = thread_ns();
     row[phase] += t - last;
     last = t;
   }
@@ -106,10 +121,13 @@ struct Scratch {
   std::vector<int32_t> hist, kept_index;
   // the index scan
   std::vector<float> steps, row_f, importance, low, step, mid, w, sample_a, sample_c, offset, a_buf, b_buf, q_sel,
-      step_sel, dmid, tops, sigmas;
+      step_sel, dmid, tops, sigmas, wa, wc;
   int64_t k_sel = 0;
-  std::vector<int32_t> quads, acc, sample_acc;
-  std::vector<int8_t> w8;
+  std::vector<int32_t> quads, acc, sample_acc, step_offset;
+  std::vector<uint8_t> step_mask;
+  std::vector<int8_t> w8, w8_spare;
+  std::vector<const uint8_t*> quad_base;  // the chosen quads' group-0 lines
+  std::vector<const char*> key_seg, value_seg;  // the task's first key / value row in each chunk
 };
 
 // Scratch buffers outlive a call (a fresh multi-MiB buffer per call would be faulted in page by page): a free
@@ -131,21 +149,18 @@ void give_scratch(std::unique_ptr<Scratch> s) {
 }
 
 // --- exact logits -----------------------------------------------------------------------------------------
-// the row of position `pos` of a task in a table of segment addresses (keys: c.seg_ptr, values: c.value_ptr)
-const void* row_at(const Call& c, const int64_t* table, int64_t task, int64_t pos, int64_t& seg_hint) {
+// the row of position `pos` in a task's chunks (table: the task's first row in each chunk, Scratch key_seg/value_seg)
+inline const void* row_at(const Call& c, const char* const* table, int64_t pos, int64_t& seg_hint) {
   int64_t s = seg_hint;
-  if (s >= c.n_segs || pos < c.seg_start[s] || pos >= c.seg_start[s] + c.seg_len[s]) {
+  const int64_t* seg = c.segs + s * SEG_FIELDS;
+  if (s >= c.n_segs || pos < seg[SEG_START] || pos >= seg[SEG_START] + seg[SEG_LEN]) {
     s = 0;
-    while (s + 1 < c.n_segs && pos >= c.seg_start[s + 1]) ++s;
+    while (s + 1 < c.n_segs && pos >= c.segs[(s + 1) * SEG_FIELDS + SEG_START]) ++s;
     seg_hint = s;
+    seg = c.segs + s * SEG_FIELDS;
   }
   const int64_t elem = c.key_type == F32 ? 4 : 2;
-  const char* base = reinterpret_cast<const char*>(table[task * c.n_segs + s]);
-  return base + (pos - c.seg_start[s]) * c.dim * elem;
-}
-
-inline const void* key_row(const Call& c, int64_t task, int64_t pos, int64_t& seg_hint) {
-  return row_at(c, c.seg_ptr, task, pos, seg_hint);
+  return table[s] + (pos - seg[SEG_START]) * c.dim * elem;
 }
 
 void to_float(const void* src, int key_type, int64_t dim, float* dst) {
@@ -637,14 +652,32 @@ void radix_top_m(const float* score, int64_t n, int64_t m, Scratch& s, std::vect
 // with w = q_h (x) step over the chosen channels, sigma_h = max|w| / 127 and w8 = round(w / sigma_h). A position's
 // score is max_h (l_h(t) - LZ_h), where LZ_h is head h's log-sum-exp over the sampled groups (every 16th): a
 // head's approximate log-probability, so diffuse and peaked heads compare fairly. reference.py mirrors each step.
+//
+// Codes in memory (IndexTask): the 64-byte line of quad j of group g (codes.py's byte layout: 16 bytes per block of
+// 16 tokens) lies at codes + j * quad_stride + g * group_stride. The selector stores every quad's lines of all groups
+// one after another (group_stride 64), so the scan reads `quads` sequential streams instead of a quarter of the lines
+// of each group's record, and the hardware prefetchers see plain streams.
+//
+// Variants: scalar and AVX2 (`vpmaddubsw`, 16-bit sums widened every WIDEN_EVERY quads) take each group's weights
+// and dots as below; AVX-512 VNNI (`vpdpbusd`: 16 tokens x 4 channels x one head per instruction into 32-bit sums)
+// has its own weights, dots and scores (section "AVX-512 VNNI scan"). Every variant computes the same integers and
+// the same float operations in the same order, so the scores are identical.
 constexpr int64_t SAMPLE_EVERY = 16;  // groups 0, 16, 32, ... estimate each head's softmax normalizer
 constexpr int64_t WIDEN_EVERY = 32;   // quads accumulated in 16 bits before widening (|sum| <= 32 * 768 < 2^15)
 constexpr int HEADS_PER_PASS = 4;     // query heads scanned per pass over a group's codes
-constexpr int64_t PREFETCH_GROUPS = 2;  // groups whose codes and parameters are requested ahead
+constexpr int64_t PREFETCH_GROUPS = 4;  // groups whose codes and parameters are requested ahead
+constexpr int64_t WEIGHT_BLOCK = 4;     // groups whose weights are computed before their dot products
 
-// acc[h * 64 + t] = sum over the chosen quads j of the 4 codes of token t in quad quads[j] times w8[h * 4R + 4j ..]
+struct IndexTask {  // one (sequence, KV head)'s index
+  const uint8_t* codes;  // quad 0 of group 0
+  int64_t quad_stride, group_stride;  // bytes
+  const uint16_t* params;  // group g's [min | step] (2 * dim_q bf16) at params + g * 2 * dim_q
+};
+
+// acc[h * 64 + t] = sum over the chosen quads j of the 4 codes of token t in quad quads[j] times w8[h * K + 4j ..];
+// qb[j] + goff is the group's line of chosen quad j
 template <int G>
-void scan_quads(const uint8_t* codes, const int32_t* quads, int64_t R, const int8_t* w8, int32_t* acc) {
+void scan_quads(const uint8_t* const* qb, int64_t goff, int64_t R, const int8_t* w8, int64_t K, int32_t* acc) {
 #if defined(__AVX2__)
   const __m256i shift_lo = _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0);
   const __m256i shift_hi = _mm256_set_epi32(6, 6, 6, 6, 4, 4, 4, 4);
@@ -655,13 +688,13 @@ void scan_quads(const uint8_t* codes, const int32_t* quads, int64_t R, const int
       for (int h = 0; h < G; ++h) lo[h] = hi[h] = _mm256_setzero_si256();
       const int64_t j1 = std::min(R, j0 + WIDEN_EVERY);
       for (int64_t j = j0; j < j1; ++j) {
-        const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (quads[j] * 4 + tb) * 16));
+        const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb[j] + goff + tb * 16));
         const __m256i v = _mm256_broadcastsi128_si256(packed);
         const __m256i c0 = _mm256_and_si256(_mm256_srlv_epi32(v, shift_lo), low2);  // tokens 0..7 x 4 channels
         const __m256i c1 = _mm256_and_si256(_mm256_srlv_epi32(v, shift_hi), low2);  // tokens 8..15
         for (int h = 0; h < G; ++h) {
           int32_t w;
-          std::memcpy(&w, w8 + h * 4 * R + 4 * j, 4);
+          std::memcpy(&w, w8 + h * K + 4 * j, 4);
           const __m256i wb = _mm256_set1_epi32(w);
           lo[h] = _mm256_add_epi16(lo[h], _mm256_maddubs_epi16(c0, wb));
           hi[h] = _mm256_add_epi16(hi[h], _mm256_maddubs_epi16(c1, wb));
@@ -681,11 +714,11 @@ void scan_quads(const uint8_t* codes, const int32_t* quads, int64_t R, const int
     for (int t = 0; t < GROUP; ++t) acc[h * GROUP + t] = 0;
   for (int64_t j = 0; j < R; ++j)
     for (int tb = 0; tb < 4; ++tb) {
-      const uint8_t* chunk = codes + (quads[j] * 4 + tb) * 16;
+      const uint8_t* chunk = qb[j] + goff + tb * 16;
       for (int p = 0; p < 64; ++p) {  // element p = 16 i + k: bit pair i of byte k (codes.py)
         const int code = (chunk[p % 16] >> (2 * (p / 16))) & 3;
         const int t = tb * 16 + p / 4;
-        for (int h = 0; h < G; ++h) acc[h * GROUP + t] += code * w8[h * 4 * R + 4 * j + p % 4];
+        for (int h = 0; h < G; ++h) acc[h * GROUP + t] += code * w8[h * K + 4 * j + p % 4];
       }
     }
 #endif
@@ -695,17 +728,17 @@ void scan_quads(const uint8_t* codes, const int32_t* quads, int64_t R, const int
 // scan_quads<4> with its inner loop written out: gcc keeps the eight 16-bit accumulators of the intrinsic version
 // in registers only by copying each one after every add (and spills two), which costs more than the dot products;
 // here the loop is the 25 instructions it needs. Same integers as scan_quads<4>.
-void scan_quads4(const uint8_t* codes, const int32_t* quads, int64_t R, const int8_t* w8, int32_t* acc) {
+void scan_quads4(const uint8_t* const* qb, int64_t goff, int64_t R, const int8_t* w8, int64_t K, int32_t* acc) {
   const __m256i shift_lo = _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0);
   const __m256i shift_hi = _mm256_set_epi32(6, 6, 6, 6, 4, 4, 4, 4);
   const __m256i low2 = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
-  const int64_t stride = 4 * R, stride3 = 12 * R;  // bytes between heads' weights of one quad
+  const int64_t stride = K, stride3 = 3 * K;  // bytes between heads' weights of one quad
   for (int tb = 0; tb < 4; ++tb) {
     for (int64_t j0 = 0; j0 < R; j0 += WIDEN_EVERY) {
       __m256i l0 = _mm256_setzero_si256(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;
       const int64_t j1 = std::min(R, j0 + WIDEN_EVERY);
       for (int64_t j = j0; j < j1; ++j) {
-        const uint8_t* src = codes + (quads[j] * 4 + tb) * 16;
+        const uint8_t* src = qb[j] + goff + tb * 16;
         const int8_t* w = w8 + 4 * j;
         __m256i c0, c1, wv, p;
         asm("vbroadcasti128 (%[src]), %[c0]\n\t"
@@ -752,22 +785,26 @@ void scan_quads4(const uint8_t* codes, const int32_t* quads, int64_t R, const in
 }
 #endif
 
-void scan_heads(int64_t g, const uint8_t* codes, const int32_t* quads, int64_t R, const int8_t* w8, int32_t* acc) {
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+// acc (G x 64 int32, token order) of one group for G heads (w8: G rows of K bytes)
+void scan_heads(int64_t g, const uint8_t* const* qb, int64_t goff, int64_t R, const int8_t* w8, int64_t K,
+                int32_t* acc) {
   for (int64_t h0 = 0; h0 < g; h0 += HEADS_PER_PASS) {
-    const int8_t* w = w8 + h0 * 4 * R;
+    const int8_t* w = w8 + h0 * K;
     int32_t* a = acc + h0 * GROUP;
     switch (std::min<int64_t>(HEADS_PER_PASS, g - h0)) {
-      case 1: scan_quads<1>(codes, quads, R, w, a); break;
-      case 2: scan_quads<2>(codes, quads, R, w, a); break;
-      case 3: scan_quads<3>(codes, quads, R, w, a); break;
+      case 1: scan_quads<1>(qb, goff, R, w, K, a); break;
+      case 2: scan_quads<2>(qb, goff, R, w, K, a); break;
+      case 3: scan_quads<3>(qb, goff, R, w, K, a); break;
 #if defined(__AVX2__)
-      default: scan_quads4(codes, quads, R, w, a); break;
+      default: scan_quads4(qb, goff, R, w, K, a); break;
 #else
-      default: scan_quads<4>(codes, quads, R, w, a); break;
+      default: scan_quads<4>(qb, goff, R, w, K, a); break;
 #endif
     }
   }
 }
+#endif
 
 // The chosen quads (ascending): the `R` of largest importance sum_{c in quad} (sum_h |q_hc|) * (sum over the
 // sampled groups of step_c), ties to the lower quad.
@@ -797,8 +834,9 @@ void choose_quads(const Call& c, const float* q, const uint16_t* params, int64_t
   std::sort(s.quads.begin(), s.quads.end());
 }
 
-// Group g's weights: w8 (G x 4R int8, chosen order), A[h], C[h] (see the top of this section). s.q_sel holds the
-// queries at the chosen channels (G x K floats, K = 4R rounded up to 8, zero past 4R).
+// Group g's weights: w8 (G rows of K int8, chosen order, zero past 4R), A[h], C[h] (see the top of this section).
+// s.q_sel holds the queries at the chosen channels (G x K floats, K = 4R rounded up to 16, zero past 4R).
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
 #if defined(__AVX2__) && defined(__FMA__)
 inline __m256 bf16x8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
@@ -826,7 +864,7 @@ inline void mid_dots(const float* q, const uint16_t* low, const uint16_t* step, 
 #endif
 
 void group_weights(const Call& c, const float* q, const uint16_t* params, int64_t g, int64_t R, Scratch& s,
-                   float* A, float* C) {
+                   int8_t* w8_rows, float* A, float* C) {
   const int64_t G = c.group, dq = c.dim_q, dim_pad = c.dim_pad, K = s.k_sel;
   const uint16_t* mins = params + g * 2 * dq;
   float* step_sel = s.step_sel.data();  // K floats, zero past 4R
@@ -880,12 +918,12 @@ void group_weights(const Call& c, const float* q, const uint16_t* params, int64_
   for (int64_t h = 0; h < G; ++h) {
     const float sigma = sigmas[h];
     const float* w = s.w.data() + h * K;
-    int8_t* w8 = s.w8.data() + h * 4 * R;
+    int8_t* w8 = w8_rows + h * K;
     int32_t total = 0;
     if (sigma > 0.0f) {
       const __m256 inv = _mm256_set1_ps(1.0f / sigma);
       __m256i sum = _mm256_setzero_si256();
-      for (int64_t k = 0; k < K; k += 8) {  // w8 holds 4R + 8 bytes: the 8 past 4R are scratch
+      for (int64_t k = 0; k < K; k += 8) {
         const __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(w + k), inv));  // round to nearest even
         sum = _mm256_add_epi32(sum, r);
         const __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
@@ -904,7 +942,7 @@ void group_weights(const Call& c, const float* q, const uint16_t* params, int64_
   for (int64_t h = 0; h < G; ++h) {
     const float* qs = s.q_sel.data() + h * K;
     float* w = s.w.data();
-    int8_t* w8 = s.w8.data() + h * 4 * R;
+    int8_t* w8 = w8_rows + h * K;
     float top = 0.0f;
     int32_t total = 0;
     for (int64_t k = 0; k < 4 * R; ++k) {
@@ -955,37 +993,306 @@ void group_scores(int64_t G, const int32_t* acc, const float* A, const float* B,
 #endif
 }
 
-// the chosen quads' codes and the parameters of group g (scattered lines), requested ahead of the scan
-inline void prefetch_group(const uint8_t* codes, const uint16_t* params, int64_t dq, const int32_t* quads, int64_t R,
-                           int64_t g) {
-  const uint8_t* next = codes + g * 16 * dq;
-  for (int64_t j = 0; j < R; ++j) __builtin_prefetch(next + quads[j] * 64);
-  const char* p = reinterpret_cast<const char*>(params + g * 2 * dq);
+void block_weights(const Call& c, const float* q, const uint16_t* params, const int64_t* gs, int64_t count,
+                   Scratch& s, int8_t* const* w8, float* A, float* C) {
+  for (int64_t i = 0; i < count; ++i)
+    group_weights(c, q, params, gs[i], std::max<int64_t>(1, std::min(c.quads, c.dim_q / 4)), s, w8[i], A + i * c.group,
+                  C + i * c.group);
+}
+#endif  // not the VNNI variant
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// --- AVX-512 VNNI scan --------------------------------------------------------------------------------------
+// A quad's 64-byte line holds the 2-bit codes of the group's 64 tokens x 4 channels: block tb (tokens 16 tb ...) in
+// bytes 16 tb .. 16 tb + 15, bit pair i of byte k = token 16 tb + 4 i + k / 4, channel k % 4 (codes.py). The line
+// masked with 3 << 2i is a u8 operand of 4^i x the codes of the tokens 16 tb + 4 i + w at dword 4 tb + w, so one
+// vpdpbusd per (head, bit pair i) adds 4^i x the dot of 16 tokens with the quad's 4 int8 weights: one load and four
+// ANDs per quad, 4 G dot instructions, 32-bit sums (no widening). The sums are exact integers; a shift right by 2i
+// restores the dot. Token order inside the sums ("bit-pair order"): sum i, dword 4 tb + w = token 16 tb + 4 i + w;
+// scores are transposed back to token order once per group.
+
+// acc[h * 64 + 16 i + 4 tb + w] = dot of token 16 tb + 4 i + w (bit-pair order) for heads h < G of this pass
+template <int G>
+inline void vnni_quads(const uint8_t* const* qb, int64_t goff, int64_t R, const int8_t* w8, int64_t K, int32_t* acc) {
+  const __m512i m0 = _mm512_set1_epi8(0x03), m1 = _mm512_set1_epi8(0x0C), m2 = _mm512_set1_epi8(0x30),
+                m3 = _mm512_set1_epi8(static_cast<char>(0xC0));
+  __m512i a[G][4];
+  for (int h = 0; h < G; ++h)
+    for (int i = 0; i < 4; ++i) a[h][i] = _mm512_setzero_si512();
+  for (int64_t j = 0; j < R; ++j) {
+    const __m512i line = _mm512_loadu_si512(qb[j] + goff);
+    const __m512i c0 = _mm512_and_si512(line, m0), c1 = _mm512_and_si512(line, m1);
+    const __m512i c2 = _mm512_and_si512(line, m2), c3 = _mm512_and_si512(line, m3);
+    for (int h = 0; h < G; ++h) {
+      int32_t wv;
+      std::memcpy(&wv, w8 + h * K + 4 * j, 4);
+      const __m512i w = _mm512_set1_epi32(wv);
+      a[h][0] = _mm512_dpbusd_epi32(a[h][0], c0, w);
+      a[h][1] = _mm512_dpbusd_epi32(a[h][1], c1, w);
+      a[h][2] = _mm512_dpbusd_epi32(a[h][2], c2, w);
+      a[h][3] = _mm512_dpbusd_epi32(a[h][3], c3, w);
+    }
+  }
+  for (int h = 0; h < G; ++h) {  // exact: sum i is a multiple of 4^i
+    _mm512_storeu_si512(acc + h * GROUP, a[h][0]);
+    _mm512_storeu_si512(acc + h * GROUP + 16, _mm512_srai_epi32(a[h][1], 2));
+    _mm512_storeu_si512(acc + h * GROUP + 32, _mm512_srai_epi32(a[h][2], 4));
+    _mm512_storeu_si512(acc + h * GROUP + 48, _mm512_srai_epi32(a[h][3], 6));
+  }
+}
+
+// acc (G x 64 int32, bit-pair order) of one group for G heads (w8: G rows of K bytes)
+void scan_heads(int64_t g, const uint8_t* const* qb, int64_t goff, int64_t R, const int8_t* w8, int64_t K,
+                int32_t* acc) {
+  for (int64_t h0 = 0; h0 < g; h0 += HEADS_PER_PASS) {
+    const int8_t* w = w8 + h0 * K;
+    int32_t* a = acc + h0 * GROUP;
+    switch (std::min<int64_t>(HEADS_PER_PASS, g - h0)) {
+      case 1: vnni_quads<1>(qb, goff, R, w, K, a); break;
+      case 2: vnni_quads<2>(qb, goff, R, w, K, a); break;
+      case 3: vnni_quads<3>(qb, goff, R, w, K, a); break;
+      default: vnni_quads<4>(qb, goff, R, w, K, a); break;
+    }
+  }
+}
+
+// the 16-lane bf16 -> float32 of 16 parameters (lanes at or past n: zero)
+inline __m512 bf16x16(const uint16_t* p, int64_t n) {
+  const __mmask16 m = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+// tree_sum16 of four vectors at once (the same additions): out[k] = tree_sum16(v[k])
+inline __m128 tree_sum16x4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
+  // lanes j + j+8: quarters 0 + 2 and 1 + 3 of each vector
+  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(v0, v1, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(v2, v3, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(v2, v3, _MM_SHUFFLE(3, 2, 3, 2)));
+  // j + j+4: quarter k of y holds vector k's four partial sums
+  const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 z = _mm512_add_ps(y, _mm512_permute_ps(y, _MM_SHUFFLE(1, 0, 3, 2)));  // j + j+2
+  const __m512 f = _mm512_add_ps(z, _mm512_permute_ps(z, _MM_SHUFFLE(2, 3, 0, 1)));  // 0 + 1
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), f));
+}
+
+// the largest lane of each of four vectors (exact in any order): out[k] = max over v[k]
+inline __m128 max16x4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
+  const __m512 x01 = _mm512_max_ps(_mm512_shuffle_f32x4(v0, v1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(v0, v1, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 x23 = _mm512_max_ps(_mm512_shuffle_f32x4(v2, v3, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(v2, v3, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 y = _mm512_max_ps(_mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 z = _mm512_max_ps(y, _mm512_permute_ps(y, _MM_SHUFFLE(1, 0, 3, 2)));
+  const __m512 f = _mm512_max_ps(z, _mm512_permute_ps(z, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), f));
+}
+
+// the sum of each of four int32 vectors
+inline __m128i sum16x4(__m512i v0, __m512i v1, __m512i v2, __m512i v3) {
+  const __m512i x01 = _mm512_add_epi32(_mm512_shuffle_i32x4(v0, v1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                       _mm512_shuffle_i32x4(v0, v1, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512i x23 = _mm512_add_epi32(_mm512_shuffle_i32x4(v2, v3, _MM_SHUFFLE(1, 0, 1, 0)),
+                                       _mm512_shuffle_i32x4(v2, v3, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512i y = _mm512_add_epi32(_mm512_shuffle_i32x4(x01, x23, _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_i32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i z = _mm512_add_epi32(y, _mm512_shuffle_epi32(y, _MM_PERM_BADC));
+  const __m512i f = _mm512_add_epi32(z, _mm512_shuffle_epi32(z, _MM_PERM_CDAB));
+  return _mm512_castsi512_si128(_mm512_permutexvar_epi32(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), f));
+}
+
+// The weights of NG groups for four heads (q: 4 rows of dim_pad, q_sel: 4 rows of K, both zero past the call's
+// heads): per group i, w8[i] (4 rows of K), A[i][0..3], C[i][0..3], with the arithmetic of the scalar group_weights
+// (mid = low + 1.5 step rounded per channel; q . mid summed as dot_lanes; w = q_sel * step_sel; sigma = max|w| / 127;
+// w8 = round-to-nearest-even(w * (1 / sigma)), 0 where sigma is 0; the sums of w8 exact), the four heads' reductions
+// side by side and the NG groups' chains of reductions and divisions interleaved (each is mostly latency). NB: K / 16
+// (16-channel blocks of the chosen quads' channels) when a compile-time constant, 0 otherwise.
+template <int NB, int NG>
+void weights4(const Call& c, const float* q, const float* q_sel, const uint16_t* const* mins,
+              const int32_t* step_offset, const uint8_t* step_mask, int64_t K, int8_t* const* w8, float* const* A,
+              float* const* C) {
+  constexpr int MAXB = NB > 0 ? NB : 16;  // K <= 256: head dims up to 256
+  const int64_t nb = NB > 0 ? NB : K / LANES, dq = c.dim_q, dim_pad = c.dim_pad;
+  const __m512 half3 = _mm512_set1_ps(1.5f);
+  __m512 acc[NG][4];
+  for (int i = 0; i < NG; ++i)
+    for (int h = 0; h < 4; ++h) acc[i][h] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim_pad; d += LANES) {  // q . mid, lanes as dot_lanes (zero past dq)
+    const __m512 q0 = _mm512_loadu_ps(q + d), q1 = _mm512_loadu_ps(q + dim_pad + d);
+    const __m512 q2 = _mm512_loadu_ps(q + 2 * dim_pad + d), q3 = _mm512_loadu_ps(q + 3 * dim_pad + d);
+    for (int i = 0; i < NG; ++i) {
+      const __m512 mid = _mm512_add_ps(bf16x16(mins[i] + d, dq - d), _mm512_mul_ps(half3, bf16x16(mins[i] + dq + d, dq - d)));
+      acc[i][0] = _mm512_fmadd_ps(q0, mid, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(q1, mid, acc[i][1]);
+      acc[i][2] = _mm512_fmadd_ps(q2, mid, acc[i][2]);
+      acc[i][3] = _mm512_fmadd_ps(q3, mid, acc[i][3]);
+    }
+  }
+  __m128 dmid[NG];
+  for (int i = 0; i < NG; ++i) dmid[i] = tree_sum16x4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+  // w = q_sel * step_sel: 16 channels (4 chosen quads) per vector
+  __m512 w[NG][4][MAXB];
+  __m512 peak[NG][4];
+  for (int i = 0; i < NG; ++i)
+    for (int h = 0; h < 4; ++h) peak[i][h] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int i = 0; i < NG; ++i) {
+      const char* base = reinterpret_cast<const char*>(mins[i] + dq);
+      int64_t lane[4];  // the 4 steps of each of 4 chosen quads (offset 0 past the chosen ones: masked off below)
+      for (int k = 0; k < 4; ++k) std::memcpy(&lane[k], base + step_offset[4 * b + k], 8);
+      const __m256i picked = _mm256_maskz_mov_epi64(step_mask[b], _mm256_set_epi64x(lane[3], lane[2], lane[1], lane[0]));
+      const __m512 step = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(picked), 16));
+      for (int h = 0; h < 4; ++h) {
+        w[i][h][b] = _mm512_mul_ps(_mm512_loadu_ps(q_sel + h * K + b * LANES), step);
+        peak[i][h] = _mm512_max_ps(peak[i][h], _mm512_abs_ps(w[i][h][b]));
+      }
+    }
+  }
+  __m128 sigma[NG];
+  alignas(16) float inv[NG][4];
+  unsigned positive[NG];
+  for (int i = 0; i < NG; ++i) {
+    sigma[i] = _mm_div_ps(max16x4(peak[i][0], peak[i][1], peak[i][2], peak[i][3]), _mm_set1_ps(127.0f));
+    _mm_store_ps(inv[i], _mm_div_ps(_mm_set1_ps(1.0f), sigma[i]));
+    positive[i] = _mm_cmp_ps_mask(sigma[i], _mm_setzero_ps(), _CMP_GT_OQ);
+  }
+  for (int i = 0; i < NG; ++i) {
+    __m512i sum[4];
+    for (int h = 0; h < 4; ++h) {
+      const __mmask16 live = static_cast<__mmask16>(0u - (positive[i] >> h & 1u));  // sigma 0: w8 = 0
+      const __m512 scale = _mm512_set1_ps(inv[i][h]);
+      sum[h] = _mm512_setzero_si512();
+      for (int64_t b = 0; b < nb; ++b) {
+        const __m512i r = _mm512_maskz_cvtps_epi32(live, _mm512_mul_ps(w[i][h][b], scale));  // round to nearest even
+        sum[h] = _mm512_add_epi32(sum[h], r);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(w8[i] + h * K + b * LANES), _mm512_cvtepi32_epi8(r));  // |r| <= 127
+      }
+    }
+    const __m128 total = _mm_cvtepi32_ps(sum16x4(sum[0], sum[1], sum[2], sum[3]));
+    const __m128 scaling = _mm_set1_ps(c.scaling);
+    _mm_storeu_ps(A[i], _mm_mul_ps(scaling, sigma[i]));
+    _mm_storeu_ps(C[i], _mm_mul_ps(scaling, _mm_sub_ps(dmid[i], _mm_mul_ps(_mm_mul_ps(_mm_set1_ps(1.5f), sigma[i]), total))));
+  }
+}
+
+template <int NG>
+void weights_dispatch(const Call& c, const float* q, const float* q_sel, const uint16_t* const* mins, Scratch& s,
+                      int8_t* const* w8, float* const* A, float* const* C) {
+  const int64_t K = s.k_sel;
+  const int32_t* offsets = s.step_offset.data();
+  const uint8_t* masks = s.step_mask.data();
+  switch (K / LANES) {
+    case 1: weights4<1, NG>(c, q, q_sel, mins, offsets, masks, K, w8, A, C); break;
+    case 2: weights4<2, NG>(c, q, q_sel, mins, offsets, masks, K, w8, A, C); break;
+    case 3: weights4<3, NG>(c, q, q_sel, mins, offsets, masks, K, w8, A, C); break;
+    case 4: weights4<4, NG>(c, q, q_sel, mins, offsets, masks, K, w8, A, C); break;
+    default: weights4<0, NG>(c, q, q_sel, mins, offsets, masks, K, w8, A, C); break;
+  }
+}
+
+// The weights of `count` groups gs[0 ..]: w8[i] (G rows of K), A[i * G + h], C[i * G + h] (s.q and s.q_sel hold
+// the heads rounded up to a multiple of 4, zero past G), groups two at a time
+void block_weights(const Call& c, const float* q, const uint16_t* params, const int64_t* gs, int64_t count,
+                   Scratch& s, int8_t* const* w8, float* A, float* C) {
+  const int64_t G = c.group, K = s.k_sel;
+  for (int64_t h0 = 0; h0 < G; h0 += 4) {
+    const int64_t n = std::min<int64_t>(4, G - h0);
+    const float* qh = q + h0 * c.dim_pad;
+    const float* qs = s.q_sel.data() + h0 * K;
+    for (int64_t i0 = 0; i0 < count; i0 += 2) {
+      const int ng = count - i0 >= 2 ? 2 : 1;
+      const uint16_t* mins[2];
+      int8_t* rows[2];
+      float a[2][4], cc[2][4];
+      float* ap[2] = {a[0], a[1]};
+      float* cp[2] = {cc[0], cc[1]};
+      for (int i = 0; i < ng; ++i) {
+        mins[i] = params + gs[i0 + i] * 2 * c.dim_q;
+        rows[i] = n == 4 ? w8[i0 + i] + h0 * K : s.w8_spare.data() + i * 4 * K;  // a partial set of heads: a spare
+      }
+      if (ng == 2) weights_dispatch<2>(c, qh, qs, mins, s, rows, ap, cp);
+      else weights_dispatch<1>(c, qh, qs, mins, s, rows, ap, cp);
+      for (int i = 0; i < ng; ++i) {
+        if (n < 4) std::memcpy(w8[i0 + i] + h0 * K, rows[i], n * K);
+        for (int64_t h = 0; h < n; ++h) {
+          A[(i0 + i) * G + h0 + h] = a[i][h];
+          C[(i0 + i) * G + h0 + h] = cc[i][h];
+        }
+      }
+    }
+  }
+}
+
+// out[t] = max_h fma(A[h], acc[h][t], B[h]) where the mask m[t] is set, -inf elsewhere (t < 64; acc in bit-pair
+// order, out in token order; the heads in order, as the scalar group_scores)
+void group_scores(int64_t G, const int32_t* acc, const float* A, const float* B, const uint8_t* m, float* out) {
+  __m512 best[4];
+  for (int i = 0; i < 4; ++i) best[i] = _mm512_set1_ps(-INFINITY);
+  for (int64_t h = 0; h < G; ++h) {
+    const __m512 a = _mm512_set1_ps(A[h]), b = _mm512_set1_ps(B[h]);
+    for (int i = 0; i < 4; ++i) {
+      const __m512 v = _mm512_cvtepi32_ps(_mm512_loadu_si512(acc + h * GROUP + 16 * i));
+      best[i] = _mm512_max_ps(best[i], _mm512_fmadd_ps(a, v, b));
+    }
+  }
+  // bit-pair order -> token order: block tb = quarter tb of best[0 .. 3]
+  const __m512 t0 = _mm512_shuffle_f32x4(best[0], best[1], _MM_SHUFFLE(1, 0, 1, 0));
+  const __m512 t1 = _mm512_shuffle_f32x4(best[2], best[3], _MM_SHUFFLE(1, 0, 1, 0));
+  const __m512 t2 = _mm512_shuffle_f32x4(best[0], best[1], _MM_SHUFFLE(3, 2, 3, 2));
+  const __m512 t3 = _mm512_shuffle_f32x4(best[2], best[3], _MM_SHUFFLE(3, 2, 3, 2));
+  const __m512 blocks[4] = {_mm512_shuffle_f32x4(t0, t1, _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_f32x4(t0, t1, _MM_SHUFFLE(3, 1, 3, 1)),
+                            _mm512_shuffle_f32x4(t2, t3, _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_f32x4(t2, t3, _MM_SHUFFLE(3, 1, 3, 1))};
+  const __m512i bytes = _mm512_loadu_si512(m);
+  const __mmask64 keep = _mm512_test_epi8_mask(bytes, bytes);
+  const __m512 none = _mm512_set1_ps(-INFINITY);
+  for (int tb = 0; tb < 4; ++tb)
+    _mm512_storeu_ps(out + 16 * tb, _mm512_mask_blend_ps(static_cast<__mmask16>(keep >> (16 * tb)), none, blocks[tb]));
+}
+#endif  // the VNNI variant
+
+// the chosen quads' lines and the parameters of group g, requested ahead of the scan
+inline void prefetch_group(const IndexTask& ix, const uint8_t* const* qb, int64_t R, int64_t dq, int64_t g) {
+  const int64_t goff = g * ix.group_stride;
+  for (int64_t j = 0; j < R; ++j) __builtin_prefetch(qb[j] + goff);
+  const char* p = reinterpret_cast<const char*>(ix.params + g * 2 * dq);
   for (int64_t off = 0; off < 2 * dq * 2; off += 64) __builtin_prefetch(p + off);
 }
 
 // score[i] for every covered position i = position - group_first (m: the mask from group_first on)
-void scan_index(const Call& c, int64_t task, const float* q, int64_t groups, const uint8_t* m, Scratch& s,
+void scan_index(const Call& c, const IndexTask& ix, const float* q, int64_t groups, const uint8_t* m, Scratch& s,
                 Clock& clock) {
   const int64_t G = c.group, dq = c.dim_q, Q = dq / 4;
   const int64_t R = std::max<int64_t>(1, std::min(c.quads, Q));
-  const uint8_t* codes = reinterpret_cast<const uint8_t*>(c.codes_ptr[task]);
-  const uint16_t* params = reinterpret_cast<const uint16_t*>(c.params_ptr[task]);
+  const uint16_t* params = ix.params;
   choose_quads(c, q, params, groups, R, s);
+  s.quad_base.resize(R);
+  for (int64_t j = 0; j < R; ++j) s.quad_base[j] = ix.codes + s.quads[j] * ix.quad_stride;
+  const uint8_t* const* qb = s.quad_base.data();
   s.low.assign(dq, 0.0f);
   s.step.assign(dq, 0.0f);
   s.mid.assign(c.dim_pad, 0.0f);
-  s.k_sel = (4 * R + 7) / 8 * 8;
-  s.q_sel.assign(G * s.k_sel, 0.0f);
+  const int64_t K = s.k_sel = (4 * R + LANES - 1) / LANES * LANES;
+  s.q_sel.assign((G + 3) / 4 * 4 * K, 0.0f);  // rows past G: zero (the VNNI weights take heads by four)
   for (int64_t h = 0; h < G; ++h)
     for (int64_t j = 0; j < R; ++j)
-      std::memcpy(&s.q_sel[h * s.k_sel + 4 * j], q + h * c.dim_pad + 4 * s.quads[j], 4 * sizeof(float));
-  s.step_sel.assign(s.k_sel, 0.0f);
+      std::memcpy(&s.q_sel[h * K + 4 * j], q + h * c.dim_pad + 4 * s.quads[j], 4 * sizeof(float));
+  s.step_sel.assign(K, 0.0f);
+  s.step_offset.assign(K / 4, 0);  // byte offset of each chosen quad's 4 steps (the VNNI weights gather them)
+  s.step_mask.assign(K / LANES, 0);
+  for (int64_t j = 0; j < R; ++j) {
+    s.step_offset[j] = s.quads[j] * 4 * 2;
+    s.step_mask[j / 4] |= static_cast<uint8_t>(1u << (j % 4));
+  }
   s.dmid.resize(G);
-  s.w.assign(G * s.k_sel, 0.0f);
+  s.w.assign(std::max<int64_t>(G, 4) * K, 0.0f);
   s.tops.resize(G);
   s.sigmas.resize(G);
-  s.w8.assign(G * 4 * R + 8, 0);
+  s.w8.assign(WEIGHT_BLOCK * G * K, 0);
+  s.w8_spare.assign(2 * 4 * K, 0);
   // sampled groups: their integer sums, A and C are kept for the main pass
   const int64_t sampled = (groups + SAMPLE_EVERY - 1) / SAMPLE_EVERY;
   s.sample_acc.resize(sampled * G * GROUP);
@@ -995,12 +1302,13 @@ void scan_index(const Call& c, int64_t task, const float* q, int64_t groups, con
   clock.mark(SCAN_SETUP);
   for (int64_t i = 0; i < sampled; ++i) {
     const int64_t g = i * SAMPLE_EVERY;
-    if (i + PREFETCH_GROUPS < sampled) prefetch_group(codes, params, dq, s.quads.data(), R, g + PREFETCH_GROUPS * SAMPLE_EVERY);
+    if (i + PREFETCH_GROUPS < sampled) prefetch_group(ix, qb, R, dq, g + PREFETCH_GROUPS * SAMPLE_EVERY);
     float* A = &s.sample_a[i * G];
     float* C = &s.sample_c[i * G];
-    group_weights(c, q, params, g, R, s, A, C);
+    int8_t* w8_rows = s.w8.data();
+    block_weights(c, q, params, &g, 1, s, &w8_rows, A, C);
     int32_t* acc = &s.sample_acc[i * G * GROUP];
-    scan_heads(G, codes + g * 16 * dq, s.quads.data(), R, s.w8.data(), acc);
+    scan_heads(G, qb, g * ix.group_stride, R, s.w8.data(), K, acc);
     for (int64_t h = 0; h < G; ++h)
       group_scores(1, acc + h * GROUP, A + h, C + h, m + g * GROUP, &s.logits[(h * sampled + i) * GROUP]);
   }
@@ -1021,51 +1329,99 @@ void scan_index(const Call& c, int64_t task, const float* q, int64_t groups, con
   const int64_t covered = groups * GROUP;
   s.score.resize(covered);
   s.acc.resize(G * GROUP);
-  s.a_buf.resize(G);
-  s.b_buf.resize(G);
-  float* A = s.a_buf.data();
-  float* B = s.b_buf.data();
-  for (int64_t g = 0; g < groups; ++g) {
-    if (g + PREFETCH_GROUPS < groups) prefetch_group(codes, params, dq, s.quads.data(), R, g + PREFETCH_GROUPS);
-    const int32_t* acc;
-    if (g % SAMPLE_EVERY == 0) {
-      const int64_t i = g / SAMPLE_EVERY;
-      acc = &s.sample_acc[i * G * GROUP];
-      for (int64_t h = 0; h < G; ++h) {
-        A[h] = s.sample_a[i * G + h];
-        B[h] = s.sample_c[i * G + h] - s.offset[h];
+  s.a_buf.resize(WEIGHT_BLOCK * G);
+  s.b_buf.resize(WEIGHT_BLOCK * G);
+  s.wa.resize(WEIGHT_BLOCK * G);
+  s.wc.resize(WEIGHT_BLOCK * G);
+  for (int64_t g0 = 0; g0 < groups; g0 += WEIGHT_BLOCK) {
+    const int64_t g1 = std::min(groups, g0 + WEIGHT_BLOCK);
+    // the block's weights first (independent chains of divisions and reductions, overlapped by the CPU), then its
+    // dot products and scores
+    int64_t gs[WEIGHT_BLOCK];
+    int8_t* rows[WEIGHT_BLOCK];
+    int64_t count = 0;
+    for (int64_t g = g0; g < g1; ++g) {
+      float* A = &s.a_buf[(g - g0) * G];
+      float* B = &s.b_buf[(g - g0) * G];
+      if (g % SAMPLE_EVERY == 0) {
+        const int64_t i = g / SAMPLE_EVERY;
+        for (int64_t h = 0; h < G; ++h) {
+          A[h] = s.sample_a[i * G + h];
+          B[h] = s.sample_c[i * G + h] - s.offset[h];
+        }
+      } else {
+        gs[count] = g;
+        rows[count++] = &s.w8[(g - g0) * G * K];
       }
-    } else {
-      group_weights(c, q, params, g, R, s, A, B);
-      for (int64_t h = 0; h < G; ++h) B[h] -= s.offset[h];
-      scan_heads(G, codes + g * 16 * dq, s.quads.data(), R, s.w8.data(), s.acc.data());
-      acc = s.acc.data();
     }
-    group_scores(G, acc, A, B, m + g * GROUP, &s.score[g * GROUP]);
+    block_weights(c, q, params, gs, count, s, rows, s.wa.data(), s.wc.data());
+    for (int64_t i = 0; i < count; ++i)
+      for (int64_t h = 0; h < G; ++h) {
+        s.a_buf[(gs[i] - g0) * G + h] = s.wa[i * G + h];
+        s.b_buf[(gs[i] - g0) * G + h] = s.wc[i * G + h] - s.offset[h];
+      }
+    for (int64_t g = g0; g < g1; ++g) {
+      if (g + PREFETCH_GROUPS < groups) prefetch_group(ix, qb, R, dq, g + PREFETCH_GROUPS);
+      const int32_t* acc;
+      if (g % SAMPLE_EVERY == 0) {
+        acc = &s.sample_acc[g / SAMPLE_EVERY * G * GROUP];
+      } else {
+        scan_heads(G, qb, g * ix.group_stride, R, &s.w8[(g - g0) * G * K], K, s.acc.data());
+        acc = s.acc.data();
+      }
+      group_scores(G, acc, &s.a_buf[(g - g0) * G], &s.b_buf[(g - g0) * G], m + g * GROUP, &s.score[g * GROUP]);
+    }
   }
   clock.mark(SCAN_MAIN);
 }
 
 
 // --- one (sequence, KV head) -------------------------------------------------------------------------------
+// prefetch the `count` rows of positions[from ..] that do not follow the previous row (scattered rows; a run of
+// consecutive rows is left to the hardware prefetcher)
+inline void prefetch_rows(const Call& c, const char* const* table, const std::vector<int64_t>& positions, int64_t from,
+                          int64_t count, int64_t row_bytes, int64_t& hint) {
+  const int64_t n = static_cast<int64_t>(positions.size());
+  for (int64_t r = from; r < std::min(n, from + count); ++r) {
+    if (r > 0 && positions[r] == positions[r - 1] + 1) continue;
+    const char* row = static_cast<const char*>(row_at(c, table, positions[r], hint));
+    for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(row + off);
+  }
+}
+
 void run_task(const Call& c, int64_t task, Scratch& s) {
   Clock clock(c.profile ? c.profile + task * PHASES : nullptr);
-  const int64_t b = task / c.kv_heads, G = c.group, end = c.end;
+  const int64_t b = task / c.kv_heads, head = task % c.kv_heads, G = c.group, end = c.end, seq = c.rows[b];
   const uint8_t* mask = c.mask + b * end;
-  s.q.assign(G * c.dim_pad, 0.0f);
+  s.q.assign((G + 3) / 4 * 4 * c.dim_pad, 0.0f);  // rows past G: zero (the VNNI weights take heads by four)
   for (int64_t h = 0; h < G; ++h)
     std::memcpy(&s.q[h * c.dim_pad], c.query + (task * G + h) * c.dim, c.dim * 4);
+  s.key_seg.resize(c.n_segs);
+  s.value_seg.resize(c.n_segs);
+  for (int64_t i = 0; i < c.n_segs; ++i) {
+    const int64_t* seg = c.segs + i * SEG_FIELDS;
+    s.key_seg[i] = reinterpret_cast<const char*>(seg[KEY_BASE] + seq * seg[KEY_SEQ_STRIDE] + head * seg[KEY_HEAD_STRIDE]);
+    s.value_seg[i] = reinterpret_cast<const char*>(seg[VALUE_BASE] + seq * seg[VALUE_SEQ_STRIDE] +
+                                                   head * seg[VALUE_HEAD_STRIDE]);
+  }
+  const char* const* keys = s.key_seg.data();
 
   // the positions rescored exactly, ascending
   s.positions.clear();
-  const int64_t first = c.codes_ptr ? c.group_first[b] : end;
-  const int64_t groups = c.codes_ptr ? c.n_groups[b] : 0;
+  const int64_t first = c.index ? c.group_first[b] : end;  // the groups lying wholly below end:
+  const int64_t groups = c.index ? std::min(c.n_groups[b], end > first ? (end - first) / GROUP : 0) : 0;
   const int64_t covered = groups * GROUP, covered_end = first + covered;
   if (groups > 0) {
     for (int64_t p = 0; p < std::min(first, end); ++p)
       if (mask[p]) s.positions.push_back(p);
     const uint8_t* m = mask + first;
-    scan_index(c, task, s.q.data(), groups, m, s, clock);
+    const int64_t* x = c.index;
+    const IndexTask ix{reinterpret_cast<const uint8_t*>(x[CODES_BASE] + seq * x[CODES_SEQ_STRIDE] +
+                                                        head * x[CODES_HEAD_STRIDE]),
+                       x[CODES_QUAD_STRIDE], x[CODES_GROUP_STRIDE],
+                       reinterpret_cast<const uint16_t*>(x[PARAMS_BASE] + seq * x[PARAMS_SEQ_STRIDE] +
+                                                         head * x[PARAMS_HEAD_STRIDE])};
+    scan_index(c, ix, s.q.data(), groups, m, s, clock);
     int64_t usable = 0;
     for (int64_t i = 0; i < covered; ++i) usable += m[i];
     top_m(s.score.data(), covered, std::min(c.shortlist, usable), s, s.chosen);  // ascending
@@ -1078,39 +1434,31 @@ void run_task(const Call& c, int64_t task, Scratch& s) {
       if (mask[p]) s.positions.push_back(p);
   }
 
-  // exact stage: logits[h * n + r]
+  // exact stage: logits[h * n + r], the rows read in position order, the scattered ones requested EXACT_AHEAD ahead
   const int64_t n = static_cast<int64_t>(s.positions.size());
   s.row.assign(c.dim_pad, 0.0f);
   s.logits.resize(G * n);
-  int64_t hint = 0;
-  int64_t ahead_hint = 0;
+  int64_t hint = 0, ahead_hint = 0;
   const int64_t row_bytes = c.dim * (c.key_type == F32 ? 4 : 2);
   const int64_t block = 16 % G == 0 && G <= 4 ? 16 / G : 0;  // rows per SIMD block (0: row by row)
   const void* rows[16];
-  for (int64_t r = 0; r < n; ++r) {
-    if (r + PREFETCH < n && s.positions[r + PREFETCH] != s.positions[r] + PREFETCH) {  // scattered rows: ask ahead
-      const char* next = static_cast<const char*>(key_row(c, task, s.positions[r + PREFETCH], ahead_hint));
-      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off);
-    }
-    if (block && r % block == 0 && r + block <= n) {
-      for (int64_t i = 0; i < block; ++i) rows[i] = key_row(c, task, s.positions[r + i], hint);
+  prefetch_rows(c, keys, s.positions, 0, EXACT_AHEAD, row_bytes, ahead_hint);
+  for (int64_t r = 0; r < n;) {
+    if (block && r + block <= n) {
+      for (int64_t i = 0; i < block; ++i) rows[i] = row_at(c, keys, s.positions[r + i], hint);
       if (simd_block_logits(rows, c.key_type, s.q.data(), G, c.dim, c.dim_pad, c.scaling, &s.logits[r], n)) {
-        for (int64_t i = 1; i < block; ++i) {  // the block's other rows: prefetch only
-          const int64_t ahead = r + i + PREFETCH;
-          if (ahead < n && s.positions[ahead] != s.positions[r + i] + PREFETCH) {
-            const char* next = static_cast<const char*>(key_row(c, task, s.positions[ahead], ahead_hint));
-            for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off);
-          }
-        }
-        r += block - 1;
+        prefetch_rows(c, keys, s.positions, r + EXACT_AHEAD, block, row_bytes, ahead_hint);
+        r += block;
         continue;
       }
     }
-    const void* row = key_row(c, task, s.positions[r], hint);
+    prefetch_rows(c, keys, s.positions, r + EXACT_AHEAD, 1, row_bytes, ahead_hint);
+    const void* row = row_at(c, keys, s.positions[r], hint);
     if (!simd_logits(row, c.key_type, s.q.data(), G, c.dim, c.dim_pad, c.scaling, &s.logits[r], n)) {
       to_float(row, c.key_type, c.dim, s.row.data());
       dots_dispatch(G, s.q.data(), s.row.data(), c.dim_pad, c.scaling, &s.logits[r], n);
     }
+    ++r;
   }
   clock.mark(EXACT_READS);
   s.score.assign(n, 0.0f);
@@ -1131,12 +1479,21 @@ void run_task(const Call& c, int64_t task, Scratch& s) {
     valid[i] = i < k ? 1 : 0;
   }
   clock.mark(EXACT_TOPK);
-  if (c.value_ptr) {  // the gather: each slot's key and value rows (an invalid slot's: position 0's)
-    int64_t key_hint = 0, value_hint = 0;
+  if (c.out_keys) {  // the gather: each slot's key and value rows (an invalid slot's: position 0's)
+    const char* const* values = s.value_seg.data();
+    int64_t key_hint = 0, value_hint = 0, ahead = 0;
+    for (int64_t i = 0; i < std::min(c.budget, GATHER_AHEAD); ++i) {  // the values are not in cache: ask ahead
+      const char* row = static_cast<const char*>(row_at(c, values, out[i], ahead));
+      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(row + off);
+    }
     for (int64_t i = 0; i < c.budget; ++i) {
+      if (i + GATHER_AHEAD < c.budget) {
+        const char* row = static_cast<const char*>(row_at(c, values, out[i + GATHER_AHEAD], ahead));
+        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(row + off);
+      }
       const int64_t at = (task * c.budget + i) * row_bytes;
-      std::memcpy(c.out_keys + at, key_row(c, task, out[i], key_hint), row_bytes);
-      std::memcpy(c.out_values + at, row_at(c, c.value_ptr, task, out[i], value_hint), row_bytes);
+      std::memcpy(c.out_keys + at, row_at(c, keys, out[i], key_hint), row_bytes);
+      std::memcpy(c.out_values + at, row_at(c, values, out[i], value_hint), row_bytes);
     }
     clock.mark(GATHER);
   }
@@ -1241,19 +1598,17 @@ void dc_release_scratch() {
   pool.clear();
 }
 
-// Select for every (sequence, KV head) of one call, and gather the selected K/V rows when value_ptr is set; see
-// `Call` for the arguments. Returns 0, or -1 on an internal error (std::bad_alloc), with the outputs undefined.
+// Select for every (sequence, KV head) of one call, and gather the selected K/V rows when out_keys is set; see
+// `Call`, `Seg` and `Index` for the arguments. Returns 0, or -1 on an internal error (std::bad_alloc), with the outputs undefined.
 int dc_select(int64_t batch, int64_t kv_heads, int64_t group, int64_t dim, int key_type, const float* query,
-              float scaling, int64_t end, const uint8_t* mask, int64_t n_segs, const int64_t* seg_start,
-              const int64_t* seg_len, const int64_t* seg_ptr, const int64_t* codes_ptr, const int64_t* params_ptr,
-              const int64_t* group_first, const int64_t* n_groups, int64_t dim_q, int64_t quads,
-              int64_t shortlist, int64_t budget, int64_t* out_indices, uint8_t* out_valid, const int64_t* value_ptr,
-              void* out_keys, void* out_values, int threads, int64_t* profile) {
+              float scaling, int64_t end, const uint8_t* mask, const int64_t* rows, int64_t n_segs,
+              const int64_t* segs, const int64_t* index, const int64_t* group_first, const int64_t* n_groups,
+              int64_t dim_q, int64_t quads, int64_t shortlist, int64_t budget, int64_t* out_indices,
+              uint8_t* out_valid, void* out_keys, void* out_values, int threads, int64_t* profile) {
   const int64_t started = profile ? now_ns() : 0;
-  Call c{batch, kv_heads, group, dim, (dim + LANES - 1) / LANES * LANES, key_type, query, scaling, end, mask,
-         n_segs, seg_start, seg_len, seg_ptr, codes_ptr, params_ptr, group_first, n_groups, dim_q, quads, shortlist,
-         budget, out_indices, out_valid, value_ptr, static_cast<char*>(out_keys), static_cast<char*>(out_values),
-         profile};
+  Call c{batch, kv_heads, group, dim, (dim + LANES - 1) / LANES * LANES, key_type, query, scaling, end, mask, rows,
+         n_segs, segs, index, group_first, n_groups, dim_q, quads, shortlist, budget, out_indices, out_valid,
+         static_cast<char*>(out_keys), static_cast<char*>(out_values), profile};
   const int64_t tasks = batch * kv_heads;
   // a thread is started per call: only for work that outweighs starting it (the result never depends on it)
   const int64_t worth = std::max<int64_t>(1, tasks * end / MIN_POSITIONS_PER_THREAD);

@@ -40,7 +40,7 @@ class LowBitSelector(Selector):
         super().__init__(*args, **kwargs)
         batch = self.store.shape_prefix[0]
         self.dim_q = padded_dim(self.store.head_dim)
-        self.packed: torch.Tensor | None = None  # (B, H_kv, capacity, 16 · D_q) uint8
+        self.packed: torch.Tensor | None = None  # (B, H_kv, capacity, D_q / 4, 64) uint8, quad-major (`_codes`)
         self.params: torch.Tensor | None = None  # (B, H_kv, capacity, 2, D_q) bfloat16
         self.group_first = [-1] * batch  # per sequence: position of its group 0 (-1: no real token indexed yet)
         self.n_groups = [0] * batch  # per sequence: complete groups indexed
@@ -90,12 +90,19 @@ class LowBitSelector(Selector):
         capacity = max(groups, -(-self.store.capacity // GROUP), 2 * have)
         nbytes = batch * kv_heads * capacity * self.dim_q * (16 + 4)
         self.claim_host(nbytes - self.host_bytes)  # what the index grows by (the old tensors are freed below)
-        packed = host_tensor((batch, kv_heads, capacity, 16 * self.dim_q), torch.uint8)
+        packed = self._codes(batch, capacity)
         params = host_tensor((batch, kv_heads, capacity, 2, self.dim_q), torch.bfloat16)
         if self.packed is not None:
             packed[:, :, :have] = self.packed
             params[:, :, :have] = self.params
         self.packed, self.params = packed, params
+
+    def _codes(self, batch: int, capacity: int) -> torch.Tensor:
+        """Zeroed code lines `(batch, H_kv, capacity, D_q / 4, 64)` uint8 stored quad-major: each channel quad's
+        lines of all groups one after another, so the scan reads one sequential stream per quad it reads."""
+        quads = self.dim_q // 4
+        storage = host_tensor((batch, self.store.shape_prefix[1], quads, capacity, 64), torch.uint8)
+        return storage.permute(0, 1, 3, 2, 4)
 
     def _keys(self, lo: int, hi: int, row: int) -> torch.Tensor:
         """`(H_kv, hi - lo, D)` keys of one sequence at positions `[lo, hi)`, read chunk by chunk."""
@@ -132,7 +139,7 @@ class LowBitSelector(Selector):
             lo = self.group_first[row] + have * GROUP
             keys = self._keys(lo, lo + (want - have) * GROUP, row).reshape(kv_heads * (want - have), GROUP, dim)
             packed, params = quantize_fast(keys)
-            self.packed[row, :, have:want] = packed.view(kv_heads, want - have, -1)
+            self.packed[row, :, have:want] = packed.view(kv_heads, want - have, -1, 64)
             self.params[row, :, have:want] = params.view(kv_heads, want - have, 2, -1)
             self.n_groups[row] = want
 
@@ -181,7 +188,7 @@ class LowBitSelector(Selector):
         batch = self.store.shape_prefix[0]
         if self.packed is not None:  # allocate (and claim) first: a HostMemoryError leaves the index as it was
             self.claim_host((batch - 1) * (self.packed[0].nbytes + self.params[0].nbytes))
-            packed = host_tensor((batch, *self.packed.shape[1:]), torch.uint8)
+            packed = self._codes(batch, self.packed.shape[2])
             params = host_tensor((batch, *self.params.shape[1:]), torch.bfloat16)
             packed.copy_(self.packed.expand_as(packed))
             params.copy_(self.params.expand_as(params))
