@@ -4,12 +4,16 @@
 multi-threaded over sequences and KV heads, CPU features detected at run time) or, where it cannot be built, the
 pure-torch reference (`reference.py`, which defines every number the engine computes). `codes.py` holds the 2-bit key
 index's storage format. The engine knows nothing of transformers, caches or selectors' policies.
+
+A call's Python work does not grow with the batch: the engine computes every (sequence, KV head)'s addresses from
+the chunks' and the index's strides, and a caller that selects every step over the same store prepares its chunks
+once (`Chunks`).
 """
 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -23,8 +27,7 @@ KEY_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 @dataclass(frozen=True)
 class IndexView:
-    """The 2-bit key index of the store's sequences as the engine reads it (`codes.py`), for the `b` sequences a
-    call selects for (`select`'s `rows`).
+    """The 2-bit key index of a store's sequences as the engine reads it (`codes.py`).
 
     Attributes:
         packed: `(B, H_kv, capacity, D_q / 4, 64)` uint8: the 64-byte line of each (group, channel quad) (`codes.py`),
@@ -32,8 +35,9 @@ class IndexView:
             lines of all groups one after another, so a scan reads one stream per quad it reads.
         params: `(B, H_kv, capacity, 2, D_q)` bfloat16 per-channel minimum and step of each group, contiguous per
             (sequence, KV head).
-        group_first: `(b,)` int64 first position of each selected sequence's group 0.
-        n_groups: `(b,)` int64 complete groups indexed per selected sequence.
+        group_first: `(B,)` int64 contiguous, each stored sequence's first position of group 0.
+        n_groups: `(B,)` int64 contiguous, complete groups indexed per stored sequence (a call uses those that lie
+            wholly below its `end`, `usable`).
     """
 
     packed: torch.Tensor
@@ -42,13 +46,68 @@ class IndexView:
     n_groups: torch.Tensor
 
     def usable(self, end: int) -> torch.Tensor:
-        """`(b,)` int64: the groups that lie wholly below `end`."""
+        """`(B,)` int64: the groups that lie wholly below `end`."""
         fit = torch.div(end - self.group_first, GROUP, rounding_mode="floor").clamp_(min=0)
         return torch.minimum(self.n_groups, fit)
 
 
-def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor], budget: int, scaling: float,
-           index: IndexView | None = None, shortlist: int = 0, quads: int | None = None,
+@dataclass(frozen=True)
+class Chunks:
+    """A store's key chunks (and value chunks, for the gather) checked and laid out for the engine once (`chunks`),
+    for a caller that selects over the same chunks call after call.
+
+    Attributes:
+        keys, values: the chunks as given (values None: no gather). positions: the positions they hold.
+    """
+
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...] | None
+    positions: int
+    table: ctypes.Array = field(repr=False)  # `selection_engine.cpp`'s `Seg` fields per chunk
+
+
+def chunks(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor] | None = None) -> Chunks:
+    """Check `keys` (and `values`) as `select` would and lay them out for the engine.
+
+    Args:
+        keys: key chunks covering positions `[0, n)` in order, each `(B or 1, H_kv, n_i, D)` float32 / bfloat16 /
+            float16 with contiguous rows (a chunk of batch 1 is shared by every sequence).
+        values: the matching value chunks (same shapes and dtype, contiguous rows), or None.
+
+    Raises:
+        ValueError: naming what to change.
+    """
+    keys = tuple(keys)
+    if not keys:
+        raise ValueError("select needs at least one key chunk.")
+    dim = keys[0].shape[-1]
+    if keys[0].dtype not in KEY_TYPES or any(c.dtype != keys[0].dtype or c.dim() != 4 or c.shape[-1] != dim
+                                             or c.shape[1] != keys[0].shape[1] or c.stride(-1) != 1
+                                             or c.stride(-2) != dim for c in keys):
+        raise ValueError("select needs float32/bfloat16/float16 key chunks (B or 1, H_kv, n, D) of one dtype with "
+                         "contiguous rows.")
+    if values is not None:
+        values = tuple(values)
+        if len(values) != len(keys) or any(v.shape != k.shape or v.dtype != k.dtype or v.stride(-1) != 1
+                                           or v.stride(-2) != v.shape[-1] for k, v in zip(keys, values)):
+            raise ValueError("select's `values` must match `keys` chunk by chunk (shapes, dtype, contiguous rows).")
+    table, start = [], 0
+    for i, chunk in enumerate(keys):
+        element = chunk.element_size()
+        fields = [start, chunk.shape[2]]
+        for tensor in (chunk, None if values is None else values[i]):
+            if tensor is None:
+                fields += [0, 0, 0]
+            else:  # a chunk of batch 1 serves every sequence: sequence stride 0
+                fields += [tensor.data_ptr(), 0 if tensor.shape[0] == 1 else tensor.stride(0) * element,
+                           tensor.stride(1) * element]
+        table += fields
+        start += chunk.shape[2]
+    return Chunks(keys, values, start, _int64s(table))
+
+
+def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor] | Chunks, budget: int,
+           scaling: float, index: IndexView | None = None, shortlist: int = 0, quads: int | None = None,
            threads: int | None = None, values: Sequence[torch.Tensor] | None = None,
            out: tuple[torch.Tensor, torch.Tensor] | None = None,
            rows: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,19 +117,21 @@ def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor]
     Without `index` every candidate is scored exactly ("exact"). With it, a scan of the 2-bit codes of `quads`
     channel quads (the rest enter at each group's midpoint) shortlists `shortlist` positions per (sequence, KV
     head); they and the candidates the index does not cover are scored exactly (`reference.py` gives the
-    definitions).
+    definitions). One engine call serves every query row.
 
     Args:
         query: `(b, H_q, D)` float32 host queries (after RoPE); `H_q` a multiple of `H_kv`.
         mask: `(b, end)` bool host, True at selectable positions.
         keys: the host store's key chunks covering positions `[0, ≥ end)` in order, each `(B or 1, H_kv, n_i, D)`
-            float32 / bfloat16 / float16 with contiguous rows (a chunk of batch 1 is shared by every sequence).
+            float32 / bfloat16 / float16 with contiguous rows (a chunk of batch 1 is shared by every sequence); or
+            `Chunks` prepared from them (and the value chunks) once.
         budget: positions per (sequence, KV head); scaling: the softmax scale.
-        index: the sequences' 2-bit key index, or None.
+        index: the store's 2-bit key index, or None.
         shortlist: positions the scan keeps per (sequence, KV head).
         quads: channel quads (4 channels each) the scan reads, 1 .. `padded_dim(D) / 4`; None: all of them.
         threads: host threads (default `torch.get_num_threads()`); the result does not depend on it.
-        values: the value chunks matching `keys` (same shapes and dtype), to gather with `out`.
+        values: the value chunks matching `keys` (same shapes and dtype), to gather with `out` (with `Chunks`: None,
+            the prepared values are used).
         out: `(keys_out, values_out)`, each `(b, H_kv, budget, D)` contiguous in the keys' dtype: filled with the
             rows at the returned indices (an invalid slot gets position 0's rows, as `HostKVStore.gather` of the
             indices would).
@@ -84,88 +145,82 @@ def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor]
         ValueError: on inconsistent shapes or dtypes (before any work).
     """
     with uncounted():  # host tensors only (the decode step's host waits are counted where they happen)
-        return _select(query, mask, keys, budget, scaling, index, shortlist, quads, threads, values, out, rows)
+        if isinstance(keys, Chunks):
+            if values is not None:
+                raise ValueError("select takes the values from `Chunks` when given them; pass `values=None`.")
+        elif (values is None) != (out is None):
+            raise ValueError("select gathers with both `values` and `out`, or neither.")
+        prepared = keys if isinstance(keys, Chunks) else chunks(keys, values)
+        return _select(query, mask, prepared, budget, scaling, index, shortlist, quads, threads, out, rows)
 
 
-def _select(query, mask, keys, budget, scaling, index, shortlist, quads, threads, values, out, rows):
+_RANGES: dict[int, ctypes.Array] = {}  # batch -> rows 0 … batch - 1 as a ctypes array
+
+
+def _select(query, mask, prepared: Chunks, budget, scaling, index, shortlist, quads, threads, out, rows):
     batch, q_heads, dim = query.shape
-    rows = list(range(batch)) if rows is None else [int(r) for r in rows]
+    keys = prepared.keys
     stored = max(chunk.shape[0] for chunk in keys)
-    if len(rows) != batch or any(not 0 <= r < stored for r in rows) and stored > 1:
-        raise ValueError(f"select needs one store row (< {stored}) per query row, got rows {rows} for {batch} "
-                         "queries.")
+    if index is not None:
+        stored = max(stored, index.packed.shape[0])
+    if rows is None:
+        row_array = _RANGES.get(batch) or _RANGES.setdefault(batch, _int64s(range(batch)))
+    else:
+        row_array = _int64s(rows)
+    if len(row_array) != batch or batch and stored > 1 and (min(row_array) < 0 or max(row_array) >= stored):
+        raise ValueError(f"select needs one store row (< {stored}) per query row, got rows {list(row_array)} for "
+                         f"{batch} queries.")
     kv_heads = keys[0].shape[1]
-    if (values is None) != (out is None):
-        raise ValueError("select gathers with both `values` and `out`, or neither.")
-    if values is not None:
-        _check_gather(keys, values, out, (batch, kv_heads, budget, dim))
+    if out is not None:
+        if prepared.values is None:
+            raise ValueError("select gathers with both `values` and `out`, or neither.")
+        shape = (batch, kv_heads, budget, dim)
+        if len(out) != 2 or any(o.shape != shape or o.dtype != keys[0].dtype or not o.is_contiguous()
+                                or o.device.type != "cpu" for o in out):
+            raise ValueError(f"select's `out` must be two contiguous host tensors of shape {shape} and dtype "
+                             f"{keys[0].dtype}.")
     if query.dtype != torch.float32 or q_heads % kv_heads or mask.shape[0] != batch or mask.dtype != torch.bool:
         raise ValueError(f"select needs float32 queries (b, H_q, D) with H_q a multiple of H_kv={kv_heads} and a "
                          f"(b, end) bool mask; got query {tuple(query.shape)} {query.dtype}, mask "
                          f"{tuple(mask.shape)} {mask.dtype}.")
-    if keys[0].dtype not in KEY_TYPES or any(c.shape[-1] != dim or c.stride(-1) != 1 or c.stride(-2) != dim
-                                             for c in keys):
-        raise ValueError(f"select needs float32/bfloat16/float16 key chunks with contiguous rows of {dim} channels.")
+    if keys[0].shape[-1] != dim:
+        raise ValueError(f"select needs key chunks of {dim} channels (the queries'), got {keys[0].shape[-1]}.")
     end = mask.shape[1]
-    if sum(c.shape[2] for c in keys) < end:
-        raise ValueError(f"The key chunks hold {sum(c.shape[2] for c in keys)} positions, fewer than end={end}.")
+    if prepared.positions < end:
+        raise ValueError(f"The key chunks hold {prepared.positions} positions, fewer than end={end}.")
     all_quads = padded_dim(dim) // 4
     quads = all_quads if quads is None else quads
     if isinstance(quads, bool) or not isinstance(quads, int) or not 1 <= quads <= all_quads:
         raise ValueError(f"select needs 1 <= quads <= {all_quads} (channel quads of a {dim}-channel head), got "
                          f"{quads!r}.")
     library = native.library()
-    view = None
-    if index is not None:  # the engine clamps the groups to `end` itself
-        view = (index.packed, index.params, index.group_first,
-                index.n_groups if library is not None else index.usable(end))
     if library is None or budget == 0 or end == 0:
-        picked = [chunk if chunk.shape[0] == 1 else chunk[rows] for chunk in keys]
-        if view is not None:
-            view = (view[0][rows], view[1][rows], view[2], index.usable(end))
-        indices, valid = reference.select(query, mask, picked, budget, scaling, view, shortlist, quads)
-        if out is not None:
-            reference.gather(picked, indices, out[0])
-            reference.gather([chunk if chunk.shape[0] == 1 else chunk[rows] for chunk in values], indices, out[1])
-        return indices, valid
-    return _native_select(library, query.contiguous(), mask.contiguous(), keys, budget, scaling, view, shortlist,
-                          torch.get_num_threads() if threads is None else threads, quads, values, out, rows)
+        return _reference_select(query, mask, prepared, budget, scaling, index, shortlist, quads, out,
+                                 list(row_array))
+    view = None if index is None else (index.packed, index.params, index.group_first, index.n_groups)
+    return _native_select(library, query.contiguous(), mask.contiguous(), prepared, budget, scaling, view, shortlist,
+                          torch.get_num_threads() if threads is None else threads, quads, out, row_array)
 
 
-def _check_gather(keys, values, out, shape) -> None:
-    """ValueError unless `values` match `keys` chunk by chunk and `out` holds two contiguous `shape` tensors of the
-    keys' dtype."""
-    if len(values) != len(keys) or any(v.shape != k.shape or v.dtype != k.dtype or v.stride(-1) != 1
-                                       or v.stride(-2) != v.shape[-1] for k, v in zip(keys, values)):
-        raise ValueError("select's `values` must match `keys` chunk by chunk (shapes, dtype, contiguous rows).")
-    if len(out) != 2 or any(o.shape != shape or o.dtype != keys[0].dtype or not o.is_contiguous()
-                            or o.device.type != "cpu" for o in out):
-        raise ValueError(f"select's `out` must be two contiguous host tensors of shape {shape} and dtype "
-                         f"{keys[0].dtype}.")
+def _reference_select(query, mask, prepared, budget, scaling, index, shortlist, quads, out, rows):
+    """`select` by `reference.py` (where the engine cannot be built, or has nothing to do)."""
+    picked = [chunk if chunk.shape[0] == 1 else chunk[rows] for chunk in prepared.keys]
+    view = None
+    if index is not None:
+        usable = index.usable(mask.shape[1])
+        view = (index.packed[rows], index.params[rows], index.group_first[rows], usable[rows])
+    indices, valid = reference.select(query, mask, picked, budget, scaling, view, shortlist, quads)
+    if out is not None:
+        reference.gather(picked, indices, out[0])
+        reference.gather([chunk if chunk.shape[0] == 1 else chunk[rows] for chunk in prepared.values], indices,
+                         out[1])
+    return indices, valid
 
 
-def _int64s(values: list[int]):
+def _int64s(values) -> ctypes.Array:
     """A ctypes int64 array of `values` (cheaper per call than building small torch tensors)."""
+    values = list(values)
     return (ctypes.c_int64 * len(values))(*values)
-
-
-def _chunk_table(keys, values) -> list[int]:
-    """Per chunk (`selection_engine.cpp`, `Seg`): first position, length, then the base address and the byte strides
-    of a sequence and of a KV head, for the keys and the values (0s without values; a chunk of batch 1 serves every
-    sequence: sequence stride 0)."""
-    table, start = [], 0
-    for i, chunk in enumerate(keys):
-        element = chunk.element_size()
-        fields = [start, chunk.shape[2]]
-        for tensor in (chunk, None if values is None else values[i]):
-            if tensor is None:
-                fields += [0, 0, 0]
-            else:
-                shared = tensor.shape[0] == 1
-                fields += [tensor.data_ptr(), 0 if shared else tensor.stride(0) * element, tensor.stride(1) * element]
-        table += fields
-        start += chunk.shape[2]
-    return table
 
 
 def _index_table(packed: torch.Tensor, params: torch.Tensor) -> list[int]:
@@ -179,13 +234,18 @@ def _index_table(packed: torch.Tensor, params: torch.Tensor) -> list[int]:
             params.data_ptr(), params.stride(0) * 2, params.stride(1) * 2]
 
 
-def _native_select(library, query, mask, keys, budget, scaling, view, shortlist, threads, quads=None, values=None,
-                   out=None, rows=None):
+def _native_select(library, query, mask, keys, budget, scaling, view, shortlist, threads, quads=None, out=None,
+                   rows=None):
+    """One `dc_select` call. `keys`: `Chunks` (or key chunks, without a gather); `view`: `(packed, params,
+    group_first, n_groups)` with the last two `(B,)` int64 per stored sequence; `rows`: the stored sequence of
+    each query row (a ctypes int64 array or a sequence; None: `0 … b - 1`)."""
+    prepared = keys if isinstance(keys, Chunks) else chunks(keys)
     batch, q_heads, dim = query.shape
-    kv_heads = keys[0].shape[1]
-    rows = list(range(batch)) if rows is None else rows
+    kv_heads = prepared.keys[0].shape[1]
+    if rows is None or not isinstance(rows, ctypes.Array):
+        rows = _int64s(range(batch) if rows is None else rows)
     out_keys = out_values = None
-    if values is not None:
+    if out is not None:
         out_keys, out_values = out[0].data_ptr(), out[1].data_ptr()
     indices = torch.empty(batch, kv_heads, budget, dtype=torch.long)
     valid = torch.empty(batch, kv_heads, budget, dtype=torch.bool)
@@ -195,17 +255,18 @@ def _native_select(library, query, mask, keys, budget, scaling, view, shortlist,
     if view is not None:
         packed, params, first, groups = view
         index = _int64s(_index_table(packed, params))
-        group_first, n_groups = _int64s(first.tolist()), _int64s(groups.tolist())
+        first, groups = first.to(torch.long).contiguous(), groups.to(torch.long).contiguous()
+        group_first, n_groups = first.data_ptr(), groups.data_ptr()
     profile = profiling.buffer(batch * kv_heads)
     status = library.dc_select(
-        batch, kv_heads, q_heads // kv_heads, dim, KEY_TYPES[keys[0].dtype], query.data_ptr(), scaling,
-        mask.shape[1], mask.data_ptr(), _int64s(rows), len(keys), _int64s(_chunk_table(keys, values)), index,
-        group_first, n_groups, dim_q, quads, shortlist, budget, indices.data_ptr(), valid.data_ptr(), out_keys,
-        out_values, max(1, threads), None if profile is None else profile.data_ptr())
+        batch, kv_heads, q_heads // kv_heads, dim, KEY_TYPES[prepared.keys[0].dtype], query.data_ptr(), scaling,
+        mask.shape[1], mask.data_ptr(), rows, len(prepared.keys), prepared.table, index, group_first, n_groups,
+        dim_q, quads, shortlist, budget, indices.data_ptr(), valid.data_ptr(), out_keys, out_values, max(1, threads),
+        None if profile is None else profile.data_ptr())
     if status != 0:
         raise MemoryError("The native selection engine could not allocate its scratch memory.")
     profiling.record(profile, batch * kv_heads)
     return indices, valid
 
 
-__all__ = ["GROUP", "IndexView", "select"]
+__all__ = ["GROUP", "Chunks", "IndexView", "chunks", "select"]

@@ -44,6 +44,12 @@ class LowBitSelector(Selector):
         self.params: torch.Tensor | None = None  # (B, H_kv, capacity, 2, D_q) bfloat16
         self.group_first = [-1] * batch  # per sequence: position of its group 0 (-1: no real token indexed yet)
         self.n_groups = [0] * batch  # per sequence: complete groups indexed
+        # what a step's select reads, kept between steps: the index as the engine sees it (rebuilt when the index
+        # changes), the store's chunks laid out for the engine (rebuilt when the store grows), and the length at
+        # which some sequence completes its next group (0: unknown, `extend` looks)
+        self._view: engine.IndexView | None = None
+        self._prepared: tuple | None = None
+        self._next_group_at = 0
         # `extend` runs inside retrieval jobs on worker threads while the decode loop's `crop(-1)` calls `truncate`
         # on the layer's index: every change of the index state is made under this lock (see `truncate`)
         self._lock = threading.Lock()
@@ -116,9 +122,21 @@ class LowBitSelector(Selector):
 
     def extend(self, length: int, first_real: torch.Tensor, sequences: Sequence[int] | None = None) -> None:
         """Quantize every complete group of positions below `length` not indexed yet (per sequence, from its first
-        real position). Holds the index lock (`truncate`)."""
+        real position). Holds the index lock (`truncate`). A decode step completes a group once every 64 steps per
+        sequence; until then this returns at once."""
+        if length < self._next_group_at:
+            return
         with self._lock:
             self._extend(length, first_real, sequences)
+            self._changed()
+            if all(first >= 0 for first in self.group_first):
+                self._next_group_at = min(first + (count + 1) * GROUP
+                                          for first, count in zip(self.group_first, self.n_groups))
+
+    def _changed(self) -> None:
+        """The index changed: rebuild its engine view at the next select, and look for new groups again."""
+        self._view = None
+        self._next_group_at = 0
 
     def _extend(self, length: int, first_real: torch.Tensor, sequences: Sequence[int] | None) -> None:
         kv_heads, dim = self.store.shape_prefix[1], self.store.head_dim
@@ -155,6 +173,7 @@ class LowBitSelector(Selector):
                     self.packed[i, :, :count] = source.packed[at, :, :count]
                     self.params[i, :, :count] = source.params[at, :, :count]
                     self.group_first[i], self.n_groups[i] = int(first_real[i]), count
+        self._changed()
         self.extend(length, first_real)
 
     def truncate(self, length: int) -> None:
@@ -179,6 +198,7 @@ class LowBitSelector(Selector):
                     self.group_first[row], self.n_groups[row] = -1, 0
                 elif first >= 0:
                     self.n_groups[row] = min(self.n_groups[row], (length - first) // GROUP)
+            self._changed()
 
     def share(self) -> None:
         """Copy the stored sequence's index to every sequence of the batch that now continues it (the store keeps
@@ -195,6 +215,7 @@ class LowBitSelector(Selector):
             self.packed, self.params = packed, params
         self.group_first = self.group_first[:1] * batch
         self.n_groups = self.n_groups[:1] * batch
+        self._changed()
 
     def key_bytes_read(self, end: int) -> tuple[int, int]:
         """The codes and parameters of every complete group, then the shortlisted and uncovered keys whole; all of
@@ -215,17 +236,32 @@ class LowBitSelector(Selector):
 
     def _select(self, query, candidates, scaling, out):
         rows = candidates.ids
-        self.store.own_rows(rows, query.shape[0])  # ValueError for rows outside the batch
+        batch = self.store.shape_prefix[0]
+        if len(rows) != query.shape[0] or rows and (min(rows) < 0 or max(rows) >= batch):
+            raise ValueError(f"Sequences {rows} are not {query.shape[0]} sequences of this store's batch of {batch}.")
         self.extend(candidates.end, candidates.first_real, rows)
-        keys = self.store.key_chunks(candidates.end)
-        values = None if out is None else self.store.value_chunks(candidates.end)
-        index = None
-        if self.packed is not None:
-            first = torch.tensor([self.group_first[r] for r in rows], dtype=torch.long)
-            groups = torch.tensor([self.n_groups[r] for r in rows], dtype=torch.long)
-            index = engine.IndexView(self.packed, self.params, first.clamp(min=0), groups)
-        return engine.select(query.float().contiguous(), candidates.mask, keys, self.budget, scaling, index,
-                             self.shortlisted, self.quads, values=values, out=out, rows=rows)
+        return engine.select(query.float().contiguous(), candidates.mask, self._chunks(out is not None),
+                             self.budget, scaling, self._index_view(), self.shortlisted, self.quads, out=out,
+                             rows=None if candidates.sequences is None else rows)
+
+    def _index_view(self) -> engine.IndexView | None:
+        """The index as the engine reads it (rebuilt after a change of the index, `_changed`)."""
+        view = self._view
+        if view is None and self.packed is not None:
+            view = self._view = engine.IndexView(self.packed, self.params, torch.tensor(self.group_first),
+                                                 torch.tensor(self.n_groups))
+        return view
+
+    def _chunks(self, gather: bool) -> engine.Chunks:
+        """Every allocated key chunk (and value chunk, to gather) of the store, laid out for the engine once per
+        growth of the store (chunks are only ever added; positions past a step's `end` are never read)."""
+        store = self.store
+        key = (store.capacity, store.shared_length, store.shape_prefix, gather)
+        prepared = self._prepared
+        if prepared is None or prepared[0] != key:
+            values = store.value_chunks(store.capacity) if gather else None
+            prepared = self._prepared = (key, engine.chunks(store.key_chunks(store.capacity), values))
+        return prepared[1]
 
     @property
     def host_bytes(self) -> int:
@@ -233,5 +269,7 @@ class LowBitSelector(Selector):
 
     def free(self) -> None:
         self.packed = self.params = None
+        self._prepared = None  # its views would keep the store's chunks alive
+        self._changed()
         self.n_groups = [0] * len(self.n_groups)
         self.group_first = [-1] * len(self.group_first)
