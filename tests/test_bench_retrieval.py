@@ -12,14 +12,16 @@ TINY = ["--contexts", "700", "--heads", "4", "--kv-heads", "2", "--head-dim", "1
 
 def test_runs_and_writes_every_column(tmp_path):
     out = tmp_path / "host"
-    code = bench_retrieval.main([*TINY, "--batches", "1", "2", "--pools", "1", "2",
+    code = bench_retrieval.main([*TINY, "--batches", "1", "2", "--pools", "1", "2", "--threads", "1", "2",
                                  "--selectors", "exact", "lowbit", "torch-exact", "--out", str(out)])
     assert code == 0
     rows = json.loads(out.with_suffix(".json").read_text())
-    assert [(r["batch"], r["pool"], r["selector"]) for r in rows] == [
-        (b, p, s) for b in (1, 2) for p in (1, 2) for s in ("exact", "lowbit", "torch-exact")]
+    assert [(r["batch"], r["pool"], r["torch_threads"], r["selector"]) for r in rows] == [
+        (b, p, t, s) for b in (1, 2) for p, t in ((1, 1), (1, 2), (2, 1)) for s in ("exact", "lowbit", "torch-exact")]
     for row in rows:
         assert row["ms_per_layer"] > 0 and row["ms_per_step"] == pytest.approx(row["ms_per_layer"] * 3)
+        assert row["host_share"] == pytest.approx(row["effective_gbps"] / row["host_read_gbps"])
+        assert row["distinct_layers"] == 2
     exact, lowbit, torch_exact = rows[0], rows[1], rows[2]
     hi = 700 - 64  # positions before the local window: 9 complete 64-token groups, a tail of 60
     # exact reads every key (through the engine or in torch ops alike)
@@ -30,7 +32,8 @@ def test_runs_and_writes_every_column(tmp_path):
     assert lowbit["key_mib_read_per_step"] * 2**20 == 3 * 2 * (9 * (64 + 16 * 4) + (8 * 32 + 60) * 16 * 4)
     assert exact["index_host_bytes"] == 0 and 0 < lowbit["index_fraction"] < 0.1
     table = out.with_suffix(".md").read_text()
-    assert "exact / this" in table and "Thread scaling" in table
+    assert "exact / this" in table and "share of host" in table
+    assert "Thread scaling" in table and "Pool scaling" in table
 
 
 def test_index_reads_a_fraction_of_the_keys_on_long_contexts(tmp_path):
@@ -50,12 +53,22 @@ def test_an_index_whose_shortlist_covers_every_position_reads_every_key(tmp_path
     assert lowbit["key_mib_read_per_step"] == exact["key_mib_read_per_step"]
 
 
+def test_distinct_layers_fit_the_memory_limit(tmp_path):
+    out = tmp_path / "host"
+    # one layer of 700 tokens x 2 KV heads x 16 channels of fp32 K/V is ~180 KB: a 0.0003 GiB limit leaves 1 layer
+    assert bench_retrieval.main([*TINY, "--repeats", "1", "--selectors", "lowbit", "--memory-gib", "0.0003",
+                                 "--out", str(out)]) == 0
+    assert [r["distinct_layers"] for r in json.loads(out.with_suffix(".json").read_text())] == [1]
+
+
 def test_bad_arguments_exit_2(capsys):
     assert bench_retrieval.main(["--contexts", "100"]) == 2  # not above window + sink + budget
     assert bench_retrieval.main(["--heads", "6", "--kv-heads", "4"]) == 2
     assert bench_retrieval.main(["--kv-heads", "0"]) == 2
     assert bench_retrieval.main(["--window", "-100"]) == 2
     assert bench_retrieval.main(["--pools", "0"]) == 2
+    assert bench_retrieval.main(["--threads", "0"]) == 2
+    assert bench_retrieval.main(["--memory-gib", "0"]) == 2
     assert bench_retrieval.main(["--selectors", "lowbit", "--options", '{"lowbit_factor": 0}']) == 2
     assert bench_retrieval.main(["--options", '{"cluster_size": 16}']) == 2  # an option of a retired selector
     assert bench_retrieval.main(["--options", '{"selector": "exact"}']) == 2

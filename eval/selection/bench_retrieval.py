@@ -1,7 +1,7 @@
 """Host retrieval cost per decode step, selector by selector, on random keys of a given model shape.
 
     python -m dual_cache.eval.selection.bench_retrieval --contexts 32768 131072 --batches 1 8 \
-        --selectors torch-exact exact lowbit --pools 1 2 --out results/bench/host-retrieval
+        --selectors exact lowbit --threads 1 2 --out results/bench/host-retrieval
 
 On an H200 the dual cache decoded a Llama-3.1-8B-shaped model at 32K tokens at 2 tokens/s because the host scored
 every key of every layer each step (results/gpu/h200-32k.md). This measures that host work alone on this machine's
@@ -10,10 +10,12 @@ query / 8 KV heads of 128, bf16), each with its own selector (`dual_cache.select
 to every store, then runs every layer's retrieval job — the selector's choice for a random query among the positions
 past the sink and before the local window, then the gather of the chosen K/V into a staging buffer — on a pool of
 `--pools` threads (1: one thread at torch's intra-op thread count; N > 1: N threads of one intra-op thread each, as
-`TransferSchedule` runs them). With `--shared-prefix`, the batch continues one stored sequence of `context` tokens
+`TransferSchedule` runs them); `--threads` lists the engine threads per call at pool 1 (a cell each: the thread
+scaling). With `--shared-prefix`, the batch continues one stored sequence of `context` tokens
 (`HostKVStore.share`): exact selection scores every query against the shared keys in one product; lowbit scans
 each sequence's copy of the prefix's index. Distinct layers keep each selector's index out of the CPU caches as in
-decoding; the step time is scaled to `--layers` layers.
+decoding (fewer than `--distinct-layers` where their K/V would pass `--memory-gib`, e.g. 128K tokens at batch 8);
+the step time is scaled to `--layers` layers.
 
 The selectors of a cell run side by side over the same stores, each step in a rotated order (a change in the host's
 load reaches them alike). Per row: `ms_per_step` (median over `--repeats` steps, after one warm-up), `ms_per_layer`,
@@ -21,8 +23,9 @@ load reaches them alike). Per row: `ms_per_step` (median over `--repeats` steps,
 parameter, then the shortlisted keys and the uncovered tail whole for `lowbit`), `index_host_bytes` (per layer,
 beyond the K/V) and `index_fraction` (of the layer's K/V bytes), `build_ms_per_1k_tokens` (building the index over
 the prompt, per layer, per sequence), `effective_gbps` (key bytes read per second of selection), `host_read_gbps`
-(this host's read bandwidth at the same thread count, measured in the same run by a large reduction), `engine` (the
-native engine variant, or `torch` for `torch-exact`), and `exact / this` from the same run. Timings do not depend on
+(this host's read bandwidth at the same thread count, measured in the same run by a large reduction), `host_share`
+(`effective_gbps / host_read_gbps`: how close the selection comes to the host's bandwidth), `engine` (the native
+engine variant, or `torch` for `torch-exact`), and `exact / this` from the same run. Timings do not depend on
 key values; quality is measured on real keys by `dual_cache.eval.selection.selection_recall`. Writes `<out>.json` and
 `<out>.md`.
 """
@@ -82,16 +85,24 @@ def _store(batch: int, kv_heads: int, dim: int, tokens: int, capacity: int, dtyp
     return store
 
 
-def measure(context: int, batch: int, selector_names: list[str], pool: int, args: argparse.Namespace) -> list[dict]:
+def distinct_layers(context: int, batch: int, args: argparse.Namespace) -> int:
+    """`--distinct-layers`, fewer where their K/V would pass `--memory-gib` (at least 1)."""
+    stored = 1 if args.shared_prefix else batch
+    per_layer = 2 * stored * args.kv_heads * (context + args.repeats + 1) * args.head_dim * DTYPES[args.dtype].itemsize
+    return max(1, min(args.distinct_layers, int(args.memory_gib * 2**30 // per_layer)))
+
+
+def measure(context: int, batch: int, selector_names: list[str], pool: int, args: argparse.Namespace,
+            threads: int | None = None) -> list[dict]:
     """One cell per selector, timed side by side: every step runs each selector's jobs over the same stores, in an
     order that rotates from step to step, so that a change in the host's load reaches every selector alike. A
-    row's `ms_per_step` is the median over the steps of its wall seconds for `args.distinct_layers` layers, scaled
-    to `args.layers`."""
+    row's `ms_per_step` is the median over the steps of its wall seconds for its distinct layers, scaled to
+    `args.layers`. `threads`: the engine (and torch) threads of each call at pool 1 (None: torch's count)."""
     dtype = DTYPES[args.dtype]
     steps = args.repeats + 1
     stored = 1 if args.shared_prefix else batch  # a shared prefix: one sequence's keys, continued by the batch
     stores = [_store(stored, args.kv_heads, args.head_dim, context, context + steps, dtype, seed=context + layer)
-              for layer in range(args.distinct_layers)]
+              for layer in range(distinct_layers(context, batch, args))]
     selectors, build = {}, {}
     for name in selector_names:
         config = DualDecoderConfig(selector="exact" if name == TORCH_EXACT else name, **args.options)
@@ -121,8 +132,8 @@ def measure(context: int, batch: int, selector_names: list[str], pool: int, args
         else:  # selection and the gather of the chosen K/V (one engine call for the engine's selectors)
             selectors[name][layer].select_into(query, candidates, scaling, staging[layer])
 
-    executor = ThreadPoolExecutor(max_workers=pool, initializer=torch.set_num_threads if pool > 1 else None,
-                                  initargs=(1,) if pool > 1 else ())
+    per_call = 1 if pool > 1 else threads or torch.get_num_threads()
+    executor = ThreadPoolExecutor(max_workers=pool, initializer=torch.set_num_threads, initargs=(per_call,))
     times = {name: [] for name in selector_names}
     try:
         for step in range(steps):
@@ -146,17 +157,18 @@ def measure(context: int, batch: int, selector_names: list[str], pool: int, args
         scanned, gathered = selectors[name][0].key_bytes_read(context - args.window)
         read = stored * scanned + batch * gathered  # a shared prefix is scanned once for the whole batch
         index_bytes = selectors[name][0].host_bytes
+        effective = read / (per_step / args.layers) / 1e9
+        host = args.bandwidth[pool if pool > 1 else per_call]
         rows.append({
-            "context": context, "batch": batch, "selector": name, "pool": pool,
-            "torch_threads": torch.get_num_threads() if pool == 1 else 1,
+            "context": context, "batch": batch, "selector": name, "pool": pool, "torch_threads": per_call,
+            "distinct_layers": len(stores),
             "ms_per_step": per_step * 1e3, "ms_per_layer": per_step * 1e3 / args.layers,
             "ms_per_step_min": min(times[name]) * scale * 1e3, "ms_per_step_max": max(times[name]) * scale * 1e3,
             "repeats": len(times[name]),
             "key_mib_read_per_step": read * args.layers / 2**20,
             "index_host_bytes": index_bytes, "index_fraction": index_bytes / stores[0].nbytes,
             "build_ms_per_1k_tokens": build[name] * 1e3 / len(stores) / stored / (context / 1000),
-            "effective_gbps": read / (per_step / args.layers) / 1e9,
-            "host_read_gbps": args.bandwidth[pool if pool > 1 else torch.get_num_threads()],
+            "effective_gbps": effective, "host_read_gbps": host, "host_share": effective / host,
             "engine": "torch" if name == TORCH_EXACT else native.active_variant(),
             "budget": args.budget, "dtype": args.dtype, "options": args.options, "shared_prefix": args.shared_prefix,
         })
@@ -174,37 +186,48 @@ def _num(value: float) -> str:
 
 
 def markdown(rows: list[dict], args: argparse.Namespace) -> str:
-    """The table, with exact/this step-time ratios per (context, batch, pool)."""
+    """The table, with exact/this step-time ratios per (context, batch, pool, threads), then the thread scaling."""
+    layers = sorted({r["distinct_layers"] for r in rows})
     lines = [
         f"Host retrieval per decode step on this CPU: shape {args.heads} query / {args.kv_heads} KV heads × "
-        f"{args.head_dim}, {args.layers} layers ({args.distinct_layers} distinct, scaled), {args.dtype}, budget "
+        f"{args.head_dim}, {args.layers} layers ({'/'.join(map(str, layers))} distinct, scaled), {args.dtype}, budget "
         f"{args.budget}; options {json.dumps(args.options)}"
         f"{'; the batch shares one stored prefix of `context` tokens' if args.shared_prefix else ''}. Selectors "
-        "timed side by side, in a rotating order per step. pool = retrieval threads (1: one thread at "
-        f"{rows[0]['torch_threads'] if rows[0]['pool'] == 1 else 'torch default'} intra-op threads; N > 1: one "
-        f"intra-op thread each). Times: the median (min–max) of {rows[0]['repeats']} steps per selector.", "",
-        "| context | batch | selector | pool | ms/layer | ms/step (min–max) | key MiB read/step | index / KV | build ms per 1K "
-        "tokens·layer | GB/s read (host GB/s) | exact / this |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "timed side by side, in a rotating order per step. pool = retrieval threads (1: one layer at a time, each "
+        "call on `threads` engine threads; N > 1: N layers at once, one thread each). Host GB/s: this host's read "
+        "bandwidth on as many threads, measured in the same run; share: the selection's read rate over it. Times: the "
+        f"median (min–max) of {rows[0]['repeats']} steps per selector.", "",
+        "| context | batch | selector | pool | threads | ms/layer | ms/step (min–max) | key MiB read/step | index / KV | "
+        "build ms per 1K tokens·layer | GB/s read | host GB/s | share of host | exact / this |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    exact = {(r["context"], r["batch"], r["pool"]): r["ms_per_step"] for r in rows if r["selector"] == "exact"}
+    cell = lambda r: (r["context"], r["batch"], r["pool"], r["torch_threads"])
+    exact = {cell(r): r["ms_per_step"] for r in rows if r["selector"] == "exact"}
     for r in rows:
-        base = exact.get((r["context"], r["batch"], r["pool"]))
+        base = exact.get(cell(r))
         ratio = f"{base / r['ms_per_step']:.1f}×" if base else "—"
         lines.append(
-            f"| {r['context']} | {r['batch']} | {r['selector']} | {r['pool']} | {_num(r['ms_per_layer'])} | "
-            f"{_num(r['ms_per_step'])} ({_num(r['ms_per_step_min'])}–{_num(r['ms_per_step_max'])}) | "
-            f"{_num(r['key_mib_read_per_step'])} | {r['index_fraction']:.1%} | "
-            f"{_num(r['build_ms_per_1k_tokens'])} | {r['effective_gbps']:.1f} ({r['host_read_gbps']:.1f}) | {ratio} |"
+            f"| {r['context']} | {r['batch']} | {r['selector']} | {r['pool']} | {r['torch_threads']} | "
+            f"{_num(r['ms_per_layer'])} | {_num(r['ms_per_step'])} ({_num(r['ms_per_step_min'])}–"
+            f"{_num(r['ms_per_step_max'])}) | {_num(r['key_mib_read_per_step'])} | {r['index_fraction']:.1%} | "
+            f"{_num(r['build_ms_per_1k_tokens'])} | {r['effective_gbps']:.1f} | {r['host_read_gbps']:.1f} | "
+            f"{r['host_share']:.0%} | {ratio} |"
         )
+    by = {(r["context"], r["batch"], r["selector"], r["pool"], r["torch_threads"]): r["ms_per_step"] for r in rows}
+    threads = sorted({r["torch_threads"] for r in rows if r["pool"] == 1})
+    if len(threads) > 1:
+        lines += ["", f"Thread scaling (ms/step at {threads[0]} engine thread(s) / at {threads[-1]}, pool 1):", ""]
+        for (context, batch, selector, pool, count), value in by.items():
+            other = (context, batch, selector, 1, threads[-1])
+            if pool == 1 and count == threads[0] and other in by:
+                lines.append(f"- {selector}, {context} tokens, batch {batch}: {value / by[other]:.2f}×")
     pools = sorted({r["pool"] for r in rows})
     if len(pools) > 1:
-        lines += ["", f"Thread scaling (ms/step at pool {pools[0]} / at pool {pools[-1]}):", ""]
-        by = {(r["context"], r["batch"], r["selector"], r["pool"]): r["ms_per_step"] for r in rows}
-        for (context, batch, selector, pool), value in by.items():
-            if pool == pools[0] and (context, batch, selector, pools[-1]) in by:
-                lines.append(f"- {selector}, {context} tokens, batch {batch}: "
-                             f"{value / by[context, batch, selector, pools[-1]]:.2f}×")
+        lines += ["", f"Pool scaling (ms/step at pool {pools[0]} / at pool {pools[-1]}):", ""]
+        for (context, batch, selector, pool, count), value in by.items():
+            other = [v for k, v in by.items() if k[:3] == (context, batch, selector) and k[3] == pools[-1]]
+            if pool == pools[0] and count == max(threads or [count]) and other:
+                lines.append(f"- {selector}, {context} tokens, batch {batch}: {value / other[0]:.2f}×")
     return "\n".join(lines) + "\n"
 
 
@@ -234,8 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=10,
                         help="timed steps per cell (after one warm-up), the selectors in a rotating order each step; "
                              "rows report the median and the min-max")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op and engine threads per call at pool 1 (default: torch's)")
+    parser.add_argument("--threads", type=int, nargs="+", default=None,
+                        help="torch intra-op and engine threads per call at pool 1, a cell each (default: torch's "
+                             "count); the table gives the scaling from the first to the last")
+    parser.add_argument("--memory-gib", type=float, default=8.0,
+                        help="host memory for the distinct layers' K/V of a cell; fewer layers where it would pass")
     parser.add_argument("--shared-prefix", action="store_true",
                         help="the batch continues one stored sequence of `context` tokens (kept once; every query is "
                              "scored against it in one product)")
@@ -260,24 +286,26 @@ def main(argv: list[str] | None = None) -> int:
         problems.append("--heads must be a multiple of --kv-heads")
     if min(args.batches) < 1 or min(args.pools) < 1 or min(args.contexts) <= args.window + args.sink + args.budget:
         problems.append("--batches and --pools must be >= 1 and every --contexts value > window + sink + budget")
-    if args.threads is not None and args.threads < 1:
+    if args.threads is not None and min(args.threads) < 1:
         problems.append("--threads must be >= 1")
+    if args.memory_gib <= 0:
+        problems.append("--memory-gib must be > 0")
     if problems:
         print("error: " + "; ".join(problems) + ".", file=sys.stderr)
         return 2
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    thread_counts = list(dict.fromkeys(args.threads or [torch.get_num_threads()]))
     args.bandwidth = {threads: host_read_gbps(threads)
-                      for threads in {*(p for p in args.pools if p > 1), torch.get_num_threads()}}
+                      for threads in sorted({*(p for p in args.pools if p > 1), *thread_counts})}
     rows = []
     highest = load_average()
     for context in args.contexts:
         for batch in args.batches:
             for pool in args.pools:
-                for row in measure(context, batch, list(dict.fromkeys(args.selectors)), pool, args):
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-                highest = max(highest, load_average())
+                for threads in thread_counts if pool == 1 else [None]:
+                    for row in measure(context, batch, list(dict.fromkeys(args.selectors)), pool, args, threads):
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+                    highest = max(highest, load_average())
     table = markdown(rows, args)
     warning = load_warning(highest)
     if warning:
