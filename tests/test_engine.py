@@ -68,9 +68,10 @@ def test_every_variant_selects_what_the_reference_selects(variant, case, seed):
     for budget, shortlist, with_index, quads in [(8, 0, False, None), (48, 0, False, None), (8, 32, True, None),
                                                  (48, 96, True, max(1, all_quads // 3)), (8, 24, True, 1),
                                                  (16, 10_000, True, 2)]:
-        args = (query, mask, keys, budget, dim ** -0.5, view if with_index else None, shortlist)
-        expected = reference.select(*args, quads=quads)
-        got = engine._native_select(library, *args, threads=2, quads=quads)
+        expected = reference.select(query, mask, keys, budget, dim ** -0.5, view if with_index else None, shortlist,
+                                    quads=quads)
+        got = engine._native_select(library, query, mask, keys, budget, dim ** -0.5, index if with_index else None,
+                                    shortlist, threads=2, quads=quads)
         assert torch.equal(got[1], expected[1]), (budget, shortlist, with_index, quads)
         assert torch.equal(got[0], expected[0]), (budget, shortlist, with_index, quads)
 
@@ -286,8 +287,8 @@ def test_the_gather_in_the_select_call_copies_the_rows_of_the_selection(variant,
     for budget, with_index in [(16, False), (16, True), (900, False)]:  # 900: more slots than candidates
         view = (index.packed, index.params, index.group_first, index.usable(mask.shape[1])) if with_index else None
         out = tuple(torch.full((3, 2, budget, 40), float("nan"), dtype=torch.bfloat16) for _ in range(2))
-        indices, valid = engine._native_select(library, query, mask, engine.chunks(keys, values), budget, 0.2, view,
-                                               64, 2, None, out)
+        indices, valid = engine._native_select(library, query, mask, engine.chunks(keys, values), budget, 0.2,
+                                               index if with_index else None, 64, 2, None, out)
         expected = tuple(torch.empty_like(o) for o in out)
         reference.gather(keys, indices, expected[0])
         reference.gather(values, indices, expected[1])
@@ -322,6 +323,6 @@ def test_a_long_scan_uses_a_sparser_threshold_sample_and_selects_what_the_refere
     query, mask, keys, index = _problem(31, 1, 1, 4, 16, 70000, torch.bfloat16, chunks=2)  # > 32K positions
     view = (index.packed, index.params, index.group_first, index.usable(mask.shape[1]))
     for variant in VARIANTS:
-        got = engine._native_select(native.library(variant), query, mask, keys, 64, 0.25, view, 512, 1, 2)
+        got = engine._native_select(native.library(variant), query, mask, keys, 64, 0.25, index, 512, 1, 2)
         expected = reference.select(query, mask, keys, 64, 0.25, view, 512, 2)
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Sequence
 
 import torch
@@ -49,6 +50,19 @@ class IndexView:
         """`(B,)` int64: the groups that lie wholly below `end`."""
         fit = torch.div(end - self.group_first, GROUP, rounding_mode="floor").clamp_(min=0)
         return torch.minimum(self.n_groups, fit)
+
+    @cached_property
+    def native(self) -> tuple[ctypes.Array, torch.Tensor, torch.Tensor]:
+        """What the engine reads (computed once per view): the addresses and byte strides of the codes and the
+        parameters (`selection_engine.cpp`, `Index`), and contiguous int64 group starts and counts."""
+        packed, params = self.packed, self.params
+        if packed.shape[-1] != 64 or packed.stride(-1) != 1 or params.stride(-1) != 1 \
+                or params.stride(-2) != params.shape[-1] or params.stride(-3) != 2 * params.shape[-1]:
+            raise ValueError("The index's code lines (last axis of 64 bytes) and its parameters per (sequence, KV "
+                             "head) must be contiguous.")
+        table = _int64s([packed.data_ptr(), packed.stride(0), packed.stride(1), packed.stride(3), packed.stride(2),
+                         params.data_ptr(), params.stride(0) * 2, params.stride(1) * 2])
+        return table, self.group_first.to(torch.long).contiguous(), self.n_groups.to(torch.long).contiguous()
 
 
 @dataclass(frozen=True)
@@ -197,9 +211,9 @@ def _select(query, mask, prepared: Chunks, budget, scaling, index, shortlist, qu
     if library is None or budget == 0 or end == 0:
         return _reference_select(query, mask, prepared, budget, scaling, index, shortlist, quads, out,
                                  list(row_array))
-    view = None if index is None else (index.packed, index.params, index.group_first, index.n_groups)
-    return _native_select(library, query.contiguous(), mask.contiguous(), prepared, budget, scaling, view, shortlist,
-                          torch.get_num_threads() if threads is None else threads, quads, out, row_array)
+    return _native_select(library, query if query.is_contiguous() else query.contiguous(),
+                          mask if mask.is_contiguous() else mask.contiguous(), prepared, budget, scaling, index,
+                          shortlist, torch.get_num_threads() if threads is None else threads, quads, out, row_array)
 
 
 def _reference_select(query, mask, prepared, budget, scaling, index, shortlist, quads, out, rows):
@@ -223,22 +237,10 @@ def _int64s(values) -> ctypes.Array:
     return (ctypes.c_int64 * len(values))(*values)
 
 
-def _index_table(packed: torch.Tensor, params: torch.Tensor) -> list[int]:
-    """The index's addresses and byte strides (`selection_engine.cpp`, `Index`); ValueError for a layout the engine
-    cannot read."""
-    if packed.shape[-1] != 64 or packed.stride(-1) != 1 or params.stride(-1) != 1 \
-            or params.stride(-2) != params.shape[-1] or params.stride(-3) != 2 * params.shape[-1]:
-        raise ValueError("The index's code lines (last axis of 64 bytes) and its parameters per (sequence, KV head) "
-                         "must be contiguous.")
-    return [packed.data_ptr(), packed.stride(0), packed.stride(1), packed.stride(3), packed.stride(2),
-            params.data_ptr(), params.stride(0) * 2, params.stride(1) * 2]
-
-
-def _native_select(library, query, mask, keys, budget, scaling, view, shortlist, threads, quads=None, out=None,
+def _native_select(library, query, mask, keys, budget, scaling, index, shortlist, threads, quads=None, out=None,
                    rows=None):
-    """One `dc_select` call. `keys`: `Chunks` (or key chunks, without a gather); `view`: `(packed, params,
-    group_first, n_groups)` with the last two `(B,)` int64 per stored sequence; `rows`: the stored sequence of
-    each query row (a ctypes int64 array or a sequence; None: `0 … b - 1`)."""
+    """One `dc_select` call. `keys`: `Chunks` (or key chunks, without a gather); `index`: an `IndexView` or None;
+    `rows`: the stored sequence of each query row (a ctypes int64 array or a sequence; None: `0 … b - 1`)."""
     prepared = keys if isinstance(keys, Chunks) else chunks(keys)
     batch, q_heads, dim = query.shape
     kv_heads = prepared.keys[0].shape[1]
@@ -249,18 +251,16 @@ def _native_select(library, query, mask, keys, budget, scaling, view, shortlist,
         out_keys, out_values = out[0].data_ptr(), out[1].data_ptr()
     indices = torch.empty(batch, kv_heads, budget, dtype=torch.long)
     valid = torch.empty(batch, kv_heads, budget, dtype=torch.bool)
-    index = group_first = n_groups = None
+    table = group_first = n_groups = None
     dim_q = padded_dim(dim)
     quads = dim_q // 4 if quads is None else quads
-    if view is not None:
-        packed, params, first, groups = view
-        index = _int64s(_index_table(packed, params))
-        first, groups = first.to(torch.long).contiguous(), groups.to(torch.long).contiguous()
+    if index is not None:
+        table, first, groups = index.native
         group_first, n_groups = first.data_ptr(), groups.data_ptr()
     profile = profiling.buffer(batch * kv_heads)
     status = library.dc_select(
         batch, kv_heads, q_heads // kv_heads, dim, KEY_TYPES[prepared.keys[0].dtype], query.data_ptr(), scaling,
-        mask.shape[1], mask.data_ptr(), rows, len(prepared.keys), prepared.table, index, group_first, n_groups,
+        mask.shape[1], mask.data_ptr(), rows, len(prepared.keys), prepared.table, table, group_first, n_groups,
         dim_q, quads, shortlist, budget, indices.data_ptr(), valid.data_ptr(), out_keys, out_values, max(1, threads),
         None if profile is None else profile.data_ptr())
     if status != 0:

@@ -240,7 +240,8 @@ class LowBitSelector(Selector):
         if len(rows) != query.shape[0] or rows and (min(rows) < 0 or max(rows) >= batch):
             raise ValueError(f"Sequences {rows} are not {query.shape[0]} sequences of this store's batch of {batch}.")
         self.extend(candidates.end, candidates.first_real, rows)
-        return engine.select(query.float().contiguous(), candidates.mask, self._chunks(out is not None),
+        query = query if query.dtype == torch.float32 else query.float()
+        return engine.select(query, candidates.mask, self._chunks(out is not None),
                              self.budget, scaling, self._index_view(), self.shortlisted, self.quads, out=out,
                              rows=None if candidates.sequences is None else rows)
 
