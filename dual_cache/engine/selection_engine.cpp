@@ -630,7 +630,10 @@ void radix_top_m(const float* score, int64_t n, int64_t m, Scratch& s, std::vect
   std::vector<int64_t>& boundary = s.pick_boundary;  // indices whose bits under mask equal prefix (ascending)
   bool first = true;
   for (int hi = top + 1; hi > 0;) {
-    const int width = std::min(hi, 11), shift = hi - width;
+    // digits of about log2(keys) - 1 bits, 4 to 11 (a pass costs the keys it counts plus the bins it scans)
+    const int64_t count_now = first ? n : static_cast<int64_t>(boundary.size());
+    const int bits = std::max(4, std::min(11, 62 - __builtin_clzll(static_cast<uint64_t>(count_now) | 1)));
+    const int width = std::min(hi, bits), shift = hi - width;
     const uint32_t low = (1u << width) - 1;
     s.hist.assign(low + 1, 0);
     int32_t* hist = s.hist.data();
@@ -658,13 +661,19 @@ void radix_top_m(const float* score, int64_t n, int64_t m, Scratch& s, std::vect
     hi = shift;
     if (need == static_cast<int64_t>(boundary.size())) break;  // the whole boundary bin is taken
   }
-  // one ordered sweep: every key above the boundary, and the first `need` on it (ties: the lowest indices)
-  out.reserve(m);
-  int64_t ties = 0;
+  // one ordered sweep: every key above the boundary, and the first `need` on it (ties: the lowest indices); written
+  // without branches (about as many keys are taken as left, so a branch would be mispredicted often)
+  out.resize(n);
+  int64_t* o = out.data();
+  int64_t taken = 0, ties = 0;
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t bits = keys[i] & mask;
-    if (bits > prefix || (bits == prefix && ties++ < need)) out.push_back(i);
+    const int64_t on = bits == prefix;
+    o[taken] = i;
+    taken += (bits > prefix) | (on & (ties < need));
+    ties += on;
   }
+  out.resize(taken);
 }
 
 // --- 2-bit index scan over a subset of channel quads ------------------------------------------------------------
