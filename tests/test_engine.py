@@ -17,7 +17,15 @@ from dual_cache.host_store import HostKVStore
 from dual_cache.selectors import SELECTORS, Candidates
 from tests.conftest import tiny_llama
 
-VARIANTS = native.supported_variants()
+VARIANTS = native.supported_variants()  # what this CPU runs, best last
+
+
+def _runnable(variant: str) -> None:
+    """Skip, saying why, when this CPU cannot run `variant` (its selections are then checked where it runs; its
+    integer arithmetic by `test_the_vnni_scan_arithmetic_by_emulation` here, its build by
+    `test_every_variant_builds`)."""
+    if variant not in VARIANTS:
+        pytest.skip(f"this CPU cannot run the {variant} engine variant (it runs {VARIANTS})")
 
 
 def _problem(seed, batch, kv_heads, group, dim, n, dtype, chunks=3, shared=False):
@@ -56,10 +64,11 @@ CASES = [  # batch, KV heads, GQA group, head dim, positions, dtype
 ]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", list(native.VARIANTS))
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("seed", [11, 12])
 def test_every_variant_selects_what_the_reference_selects(variant, case, seed):
+    _runnable(variant)
     batch, kv_heads, group, dim, n, dtype = CASES[case]
     query, mask, keys, index = _problem(seed * 10 + case, batch, kv_heads, group, dim, n, dtype)
     view = (index.packed, index.params, index.group_first, index.usable(mask.shape[1]))
@@ -98,13 +107,49 @@ def test_equal_scores_go_to_the_lower_position(n):
     assert valid.all() and indices[0, 0].tolist() == list(range(4, 14))
 
 
-def test_result_does_not_depend_on_threads():
+@pytest.mark.parametrize("variant", list(native.VARIANTS))
+def test_result_does_not_depend_on_threads_or_variant(variant):
+    _runnable(variant)
     query, mask, keys, index = _problem(5, 4, 3, 4, 64, 12000, torch.bfloat16)  # large enough to start threads
+    library = native.library(variant)
     for quads in (16, 5):  # every channel quad, and a subset of them
-        one = engine.select(query, mask, keys, 32, 0.125, index, 128, quads, threads=1)
-        for threads in (2, 5, 64):
-            other = engine.select(query, mask, keys, 32, 0.125, index, 128, quads, threads=threads)
-            assert torch.equal(one[0], other[0]) and torch.equal(one[1], other[1])
+        scalar = engine._native_select(native.library("scalar"), query, mask, keys, 32, 0.125, index, 128, 1, quads)
+        for threads in (1, 2, 5, 64):
+            other = engine._native_select(library, query, mask, keys, 32, 0.125, index, 128, threads, quads)
+            assert torch.equal(scalar[0], other[0]) and torch.equal(scalar[1], other[1])
+
+
+def test_the_vnni_scan_arithmetic_by_emulation():
+    """The AVX-512 scan's integer trick, emulated in torch on random codes and weights (so it is checked on CPUs
+    without VNNI too): a quad's 64-byte line masked with 3 << 2i holds 4^i x the codes of bit pair i; a 4-way u8 x s8
+    dot per 32-bit lane (vpdpbusd) of that with the quad's 4 weights, summed over quads, is 4^i x the exact dot of
+    tokens 16 tb + 4 i + w at lane 4 tb + w; an arithmetic shift right by 2i restores it."""
+    gen = torch.Generator().manual_seed(41)
+    quads = 7
+    raw = torch.randint(0, 4, (1, codes.GROUP, 4 * quads), generator=gen, dtype=torch.uint8)
+    lines = codes.pack(raw).view(quads, 64).long()  # (quad, 64 bytes)
+    weights = torch.randint(-127, 128, (quads, 4), generator=gen)  # int8 weights of each quad's 4 channels
+    expected = raw[0].long() @ weights.flatten()  # (64 tokens,) the exact dot per token
+    sums = torch.zeros(4, 16, dtype=torch.long)  # (bit pair i, lane)
+    for i in range(4):
+        masked = lines & (3 << 2 * i)  # u8 operands, <= 192
+        assert int(masked.max()) < 256
+        lanes = masked.view(quads, 16, 4)  # dword lane = 4 consecutive bytes
+        sums[i] = (lanes * weights[:, None, :]).sum(dim=(0, 2))  # vpdpbusd, accumulated over the quads
+        assert bool((sums[i] % 4**i == 0).all())
+        sums[i] = sums[i] >> 2 * i  # exact: a multiple of 4^i
+    assert int(sums.abs().max()) < 2**31
+    tokens = torch.tensor([[16 * (lane // 4) + 4 * i + lane % 4 for lane in range(16)] for i in range(4)])
+    assert torch.equal(sums.flatten(), expected[tokens.flatten()])  # bit-pair order -> token order
+
+
+@pytest.mark.parametrize("variant", list(native.VARIANTS))
+def test_every_variant_builds(variant, fresh_engine):
+    """Each variant compiles with this machine's compiler, whether or not the CPU runs it (a CPU without AVX-512
+    VNNI still builds that variant's scan)."""
+    if native._compiler() is None:
+        pytest.skip("no C++ compiler on PATH")
+    assert native._build(variant).exists()
 
 
 def test_codes_round_trip_and_dequantize_within_half_a_step():
@@ -244,9 +289,10 @@ def test_generate_with_lowbit_full_budget_equals_dense_and_threads_do_not_change
     assert torch.equal(tokens, reference_run)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", list(native.VARIANTS))
 @pytest.mark.parametrize("dtype, dim", [(torch.float32, 64), (torch.bfloat16, 128), (torch.float16, 18)])
 def test_native_quantize_writes_the_bytes_of_the_reference(variant, dtype, dim, monkeypatch):
+    _runnable(variant)
     monkeypatch.setenv("DUAL_CACHE_ENGINE", variant)
     gen = torch.Generator().manual_seed(dim)
     keys = (torch.randn(7, codes.GROUP, dim, generator=gen) * 4).to(dtype)
@@ -275,11 +321,12 @@ def test_the_scan_reads_only_the_chosen_channel_quads():
     assert not torch.equal(full_before[0], full_after[0])
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", list(native.VARIANTS))
 @pytest.mark.parametrize("shared", [False, True])
 def test_the_gather_in_the_select_call_copies_the_rows_of_the_selection(variant, shared):
     """K/V written by the engine's gather equal the reference gather (`HostKVStore.gather`'s rows) of the indices
     it returns, invalid slots (position 0) included, for chunked and shared-prefix key/value chunks."""
+    _runnable(variant)
     query, mask, keys, index = _problem(21, 3, 2, 2, 40, 700, torch.bfloat16, shared=shared)
     gen = torch.Generator().manual_seed(22)
     values = [torch.randn(chunk.shape, generator=gen).to(chunk.dtype) for chunk in keys]
