@@ -10,8 +10,9 @@ buffer, as a retrieval job runs it), with `--flush-mib` MiB written between call
 come from memory, as in a decode step that runs every other layer in between. The engine times its phases per
 (sequence, KV head) (`dual_cache.engine.profiling`): the scan's setup (channel choice), the sampled groups that set
 each head's normalizer, the main scan, the shortlist (top-m of the scan's scores), the exact stage's reads of the
-shortlisted keys (with their logits), its softmax and top-k, and the gather; the Python side is the call's wall
-time minus the engine's. Each part's bytes: the chosen quads' codes and every group's parameters (scan), the
+shortlisted keys (with their logits), its softmax and top-k, and the gather (CPU time of the thread that ran each
+part, summed over the call's tasks); the Python side is the wall time of a call timed whole (without the profile's
+buffers) minus the engine's wall time in a profiled call. Each part's bytes: the chosen quads' codes and every group's parameters (scan), the
 shortlisted and uncovered keys whole (exact reads), the chosen keys and values (gather). The `exact` selector's one
 call is profiled beside it (`--selectors`). Writes `<out>.json` (every cell's medians) and `<out>.md`.
 """
@@ -82,12 +83,14 @@ def measure(context: int, batch: int, threads: int, args: argparse.Namespace) ->
             staging = [torch.empty(batch, args.kv_heads, args.budget, args.head_dim, dtype=dtype) for _ in range(2)]
             calls, walls = [], []
             for round_ in range(args.repeats + 1):
-                for selector in selectors:
+                for selector in selectors:  # a call timed whole, then one profiled (the profile's buffers cost)
+                    flush.add_(1.0)
+                    start = time.perf_counter_ns()
+                    selector.select_into(query, candidates, scaling, staging)
+                    wall = time.perf_counter_ns() - start
                     flush.add_(1.0)
                     with profiling.recording() as recorded:
-                        start = time.perf_counter_ns()
                         selector.select_into(query, candidates, scaling, staging)
-                        wall = time.perf_counter_ns() - start
                     if round_:
                         calls.append(recorded[0])
                         walls.append(wall)
@@ -106,7 +109,7 @@ def _row(name, selector, context, batch, threads, layers, calls, walls, args) ->
                 for i, phase in enumerate(profiling.PHASES)}
     wall_ms = statistics.median(walls) / 1e6
     engine_ms = statistics.median(call.wall_ns for call in calls) / 1e6
-    python_ms = statistics.median(w - call.wall_ns for w, call in zip(walls, calls)) / 1e6
+    python_ms = wall_ms - engine_ms
     workers = calls[0].workers
     nbytes = part_bytes(selector, context, batch, args.window)
     parts = {}
