@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dual_cache.eval.selection import bench_retrieval
+from dual_cache.eval.selection import bench_retrieval, profile_selection
 
 TINY = ["--contexts", "700", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--layers", "3",
         "--distinct-layers", "2", "--repeats", "2", "--budget", "32", "--dtype", "fp32"]
@@ -87,3 +87,23 @@ def test_a_batch_over_one_shared_prefix_runs(tmp_path):
     assert all(r["shared_prefix"] for r in rows) and [r["batch"] for r in rows] == [1, 1, 3, 3]
     # every key of the shared prefix is scanned once for the whole batch
     assert len({r["key_mib_read_per_step"] for r in rows}) == 1
+
+
+def test_the_selection_profile_runs_and_splits_a_call_into_its_parts(tmp_path):
+    out = tmp_path / "profile"
+    assert profile_selection.main(["--contexts", "2000", "--batches", "1", "2", "--threads", "1", "2", "--heads", "4",
+                                   "--kv-heads", "2", "--head-dim", "16", "--budget", "32", "--layers", "2",
+                                   "--repeats", "1", "--flush-mib", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())
+    assert [(r["batch"], r["threads"], r["selector"]) for r in rows] == [
+        (b, t, s) for b in (1, 2) for t in (1, 2) for s in ("lowbit", "exact")]
+    for row in rows:
+        parts = row["parts"]
+        assert row["engine_ms"] > 0 and row["key_bytes_read"] == parts["scan"]["bytes"] + parts["exact_reads"]["bytes"]
+        if row["selector"] == "lowbit":  # 2000 - 64 positions: 30 groups of 64 scanned, 8 x 32 rescored + the tail
+            assert parts["scan"]["thread_ms"] > 0 and parts["shortlist"]["thread_ms"] > 0
+            assert parts["exact_reads"]["bytes"] == row["batch"] * 2 * (8 * 32 + 1936 - 30 * 64) * 16 * 2
+        else:  # exact: no scan, every key
+            assert parts["scan"]["bytes"] == 0 and parts["exact_reads"]["bytes"] == row["batch"] * 2 * 1936 * 16 * 2
+    assert "exact reads" in out.with_suffix(".md").read_text()
+    assert profile_selection.main(["--contexts", "100"]) == 2

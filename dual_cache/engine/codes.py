@@ -5,10 +5,14 @@ Keys are quantized per channel over groups of `GROUP` = 64 consecutive tokens (t
 element as the 2-bit code `c = clamp(round((k - m) / s), 0, 3)` of the stored (rounded) `m` and `s`, so `m + s·c`
 dequantizes it. Head dims that are not a multiple of 4 are padded with zero channels (`padded_dim`).
 
-Byte layout of one group (what `selection_engine.cpp` reads, `16 · D_q` bytes): for each channel quad `c`
-(channels `4c … 4c+3`) and each block `tb` of 16 tokens, 16 bytes; bit pair `i` of byte `k` holds element
-`p = 16·i + k` of the (16 tokens × 4 channels) block, token `tb·16 + p // 4`, channel `4c + p % 4`. One 16-byte load
-unpacks with three SIMD operations into the operand of a 4-way u8·s8 dot product (AVX-512 VNNI `vpdpbusd`).
+Byte layout of one group (`quantize`'s rows, `16 · D_q` bytes): for each channel quad `c` (channels `4c … 4c+3`) a
+64-byte line, in it 16 bytes per block `tb` of 16 tokens; bit pair `i` of byte `k` holds element `p = 16·i + k` of
+the (16 tokens × 4 channels) block, token `tb·16 + p // 4`, channel `4c + p % 4`. The engine reads the index line
+by line, wherever the caller keeps the lines (`dual_cache.engine.IndexView`: the `lowbit` selector stores each
+quad's lines of all groups one after another, so a scan of some quads reads one stream per quad). The AVX2 scan
+unpacks a 16-byte block with three operations into the operand of `vpmaddubsw`; the AVX-512 scan masks a whole line
+with `3 << 2i` (one AND per bit pair `i`: 4^i times the codes of tokens `16·tb + 4·i + w` at 32-bit lane `4·tb + w`)
+and feeds it to `vpdpbusd` (4-way u8·s8 dot products into 32-bit sums; a shift right by `2i` restores the dot).
 """
 
 from __future__ import annotations

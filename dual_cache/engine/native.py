@@ -6,7 +6,8 @@ builds with the system `g++` in seconds and no extra package, and `ctypes` relea
 would add a large dependency pinned to numpy versions and has no portable access to VNNI dot products.
 
 The library is built on first use (or by `make install`, `python -m dual_cache.engine`) in three variants of
-the same source — `scalar` (baseline ISA), `avx2` (AVX2 + FMA + F16C) and `avx512` (AVX-512 F/BW/VL/DQ + VNNI) — into
+the same source — `scalar` (baseline ISA), `avx2` (AVX2 + FMA + F16C: `vpmaddubsw` scan) and `avx512` (AVX-512
+F/BW/VL/DQ + VNNI: `vpdpbusd` scan, 16-lane exact stage) — into
 `$DUAL_CACHE_ENGINE_DIR` or `~/.cache/dual-cache/engine/<source hash>/`. The scalar build is loaded first and asks
 the CPU (`__builtin_cpu_supports`) which variants it can run; the best of those that builds is used (a better one
 that a compiler cannot build is skipped with one warning naming it), so an older CPU never executes an instruction

@@ -13,7 +13,10 @@ group with the speculated token's GQA group of queries, keeps the `lowbit_factor
 candidate the index does not cover yet (the positions after the last complete group), and selects the `budget`
 of highest exact attention mass among them (`engine/reference.py` defines each number). Groups are appended as the
 selectable range grows (prefill chunks, then decode steps). Host bytes: `D/4 + D/16` bytes per key per KV head
-(codes, parameters), 7.8% of a bf16 K/V pair; nothing lives on the device.
+(codes, parameters), 7.8% of a bf16 K/V pair; nothing lives on the device. The codes are stored quad-major (each
+channel quad's 64-byte lines of all groups one after another), so a scan of a quarter of the quads reads a quarter
+of the code bytes as plain streams. A step is one engine call for every sequence of the batch; what it reads of the
+index and the store is laid out for the engine once, not per step.
 """
 
 from __future__ import annotations
