@@ -117,9 +117,27 @@ struct Clock {  // adds the time since the last mark to a phase of one task's ro
   }
 };
 
+// One task between its shortlist and its exact stage: a worker scans task t while the rows of task t - 1's shortlist
+// are requested (`Pending`), then scores those rows exactly, from cache.
+struct Slot {
+  int64_t task = -1;
+  std::vector<float> q;  // the GQA group's query rows, zero-padded to dim_pad channels and to a multiple of 4 heads
+  std::vector<int64_t> positions;  // rescored exactly, ascending
+  std::vector<const char*> key_seg, value_seg;  // the task's first key / value row in each chunk
+};
+
+// Rows whose reads a scan spreads over its groups (into L2): the previous task's shortlist
+struct Pending {
+  const char* const* table = nullptr;
+  const int64_t* positions = nullptr;
+  int64_t n = 0, next = 0, row_bytes = 0, hint = 0;
+};
+
 struct Scratch {
-  std::vector<float> q, row, logits, score, sample, kept_score;
-  std::vector<int64_t> positions, chosen, pick_boundary, next, sample_top;
+  Slot slots[2];
+  Pending pending;
+  std::vector<float> row, logits, score, sample, kept_score;
+  std::vector<int64_t> chosen, pick_boundary, next, sample_top;
   std::vector<uint32_t> keys;
   std::vector<int32_t> hist, kept_index;
   // the index scan
@@ -130,7 +148,7 @@ struct Scratch {
   std::vector<uint8_t> step_mask;
   std::vector<int8_t> w8, w8_spare;
   std::vector<const uint8_t*> quad_base;  // the chosen quads' group-0 lines
-  std::vector<const char*> key_seg, value_seg;  // the task's first key / value row in each chunk
+  std::vector<const char*> row_ptr;  // the exact stage's key rows
 };
 
 // Scratch buffers outlive a call (a fresh multi-MiB buffer per call would be faulted in page by page): a free
@@ -164,6 +182,24 @@ inline const void* row_at(const Call& c, const char* const* table, int64_t pos, 
   }
   const int64_t elem = c.key_type == F32 ? 4 : 2;
   return table[s] + (pos - seg[SEG_START]) * c.dim * elem;
+}
+
+inline void prefetch_row(const char* row, int64_t row_bytes, bool near) {
+  for (int64_t off = 0; off < row_bytes; off += 64) {
+    if (near) __builtin_prefetch(row + off, 0, 3);
+    else __builtin_prefetch(row + off, 0, 1);
+  }
+}
+
+// request the next share of the pending rows into L2 (`groups_left` groups of the scan remain to spread them over);
+// a row that follows the previous one is left to the hardware prefetcher
+inline void issue_pending(const Call& c, Pending& p, int64_t groups_left) {
+  const int64_t stop = std::min(p.n, p.next + (p.n - p.next + groups_left - 1) / std::max<int64_t>(1, groups_left));
+  for (; p.next < stop; ++p.next) {
+    const int64_t r = p.next;
+    if (r > 0 && p.positions[r] == p.positions[r - 1] + 1) continue;
+    prefetch_row(static_cast<const char*>(row_at(c, p.table, p.positions[r], p.hint)), p.row_bytes, false);
+  }
 }
 
 void to_float(const void* src, int key_type, int64_t dim, float* dst) {
@@ -1396,6 +1432,7 @@ void scan_index(const Call& c, const IndexTask& ix, const float* q, int64_t grou
       }
     for (int64_t g = g0; g < g1; ++g) {
       if (g + PREFETCH_GROUPS < groups) prefetch_group(ix, qb, R, dq, g + PREFETCH_GROUPS);
+      if (s.pending.next < s.pending.n) issue_pending(c, s.pending, groups - g);
       const int32_t* acc;
       if (g % SAMPLE_EVERY == 0) {
         acc = &s.sample_acc[g / SAMPLE_EVERY * G * GROUP];
@@ -1411,49 +1448,45 @@ void scan_index(const Call& c, const IndexTask& ix, const float* q, int64_t grou
 
 
 // --- one (sequence, KV head) -------------------------------------------------------------------------------
-inline void prefetch_row(const char* row, int64_t row_bytes, bool near) {
-  for (int64_t off = 0; off < row_bytes; off += 64) {
-    if (near) __builtin_prefetch(row + off, 0, 3);
-    else __builtin_prefetch(row + off, 0, 1);
-  }
+// prefetch rows [from, min(n, from + count)) (addresses ptr[], positions pos[]) that do not follow the previous row
+// (scattered rows; a run of consecutive rows is left to the hardware prefetcher), into L1 (near) or L2
+template <bool NEAR>
+inline void prefetch_rows(const char* const* ptr, const int64_t* pos, int64_t n, int64_t from, int64_t count,
+                          int64_t row_bytes) {
+  for (int64_t r = std::max<int64_t>(from, 1); r < std::min(n, from + count); ++r)
+    if (pos[r] != pos[r - 1] + 1) prefetch_row(ptr[r], row_bytes, NEAR);
 }
 
-// prefetch the `count` rows of positions[from ..] that do not follow the previous row (scattered rows; a run of
-// consecutive rows is left to the hardware prefetcher), into L1 (near) or L2
-inline void prefetch_rows(const Call& c, const char* const* table, const std::vector<int64_t>& positions, int64_t from,
-                          int64_t count, int64_t row_bytes, int64_t& hint, bool near) {
-  const int64_t n = static_cast<int64_t>(positions.size());
-  for (int64_t r = std::max<int64_t>(from, 0); r < std::min(n, from + count); ++r) {
-    if (r > 0 && positions[r] == positions[r - 1] + 1) continue;
-    prefetch_row(static_cast<const char*>(row_at(c, table, positions[r], hint)), row_bytes, near);
-  }
-}
-
-void run_task(const Call& c, int64_t task, Scratch& s) {
-  Clock clock(c.profile ? c.profile + task * PHASES : nullptr);
-  const int64_t b = task / c.kv_heads, head = task % c.kv_heads, G = c.group, end = c.end, seq = c.rows[b];
-  const uint8_t* mask = c.mask + b * end;
-  s.q.assign((G + 3) / 4 * 4 * c.dim_pad, 0.0f);  // rows past G: zero (the VNNI weights take heads by four)
+// the task's query rows and chunk addresses
+void begin_task(const Call& c, int64_t task, Slot& sl) {
+  const int64_t b = task / c.kv_heads, head = task % c.kv_heads, G = c.group, seq = c.rows[b];
+  sl.task = task;
+  sl.q.assign((G + 3) / 4 * 4 * c.dim_pad, 0.0f);  // rows past G: zero (the VNNI weights take heads by four)
   for (int64_t h = 0; h < G; ++h)
-    std::memcpy(&s.q[h * c.dim_pad], c.query + (task * G + h) * c.dim, c.dim * 4);
-  s.key_seg.resize(c.n_segs);
-  s.value_seg.resize(c.n_segs);
+    std::memcpy(&sl.q[h * c.dim_pad], c.query + (task * G + h) * c.dim, c.dim * 4);
+  sl.key_seg.resize(c.n_segs);
+  sl.value_seg.resize(c.n_segs);
   for (int64_t i = 0; i < c.n_segs; ++i) {
     const int64_t* seg = c.segs + i * SEG_FIELDS;
-    s.key_seg[i] = reinterpret_cast<const char*>(seg[KEY_BASE] + seq * seg[KEY_SEQ_STRIDE] + head * seg[KEY_HEAD_STRIDE]);
-    s.value_seg[i] = reinterpret_cast<const char*>(seg[VALUE_BASE] + seq * seg[VALUE_SEQ_STRIDE] +
-                                                   head * seg[VALUE_HEAD_STRIDE]);
+    sl.key_seg[i] = reinterpret_cast<const char*>(seg[KEY_BASE] + seq * seg[KEY_SEQ_STRIDE] + head * seg[KEY_HEAD_STRIDE]);
+    sl.value_seg[i] = reinterpret_cast<const char*>(seg[VALUE_BASE] + seq * seg[VALUE_SEQ_STRIDE] +
+                                                    head * seg[VALUE_HEAD_STRIDE]);
   }
-  const char* const* keys = s.key_seg.data();
+}
 
-  // the positions rescored exactly, ascending
-  s.positions.clear();
+// the positions the exact stage rescores, ascending: the scan's shortlist and the candidates the index does not
+// cover, or every candidate without an index
+void shortlist_task(const Call& c, Slot& sl, Scratch& s, Clock& clock) {
+  const int64_t b = sl.task / c.kv_heads, head = sl.task % c.kv_heads, end = c.end, seq = c.rows[b];
+  const uint8_t* mask = c.mask + b * end;
+  std::vector<int64_t>& positions = sl.positions;
+  positions.clear();
   const int64_t first = c.index ? c.group_first[seq] : end;  // the groups lying wholly below end:
   const int64_t groups = c.index ? std::min(c.n_groups[seq], end > first ? (end - first) / GROUP : 0) : 0;
   const int64_t covered = groups * GROUP, covered_end = first + covered;
   if (groups > 0) {
     for (int64_t p = 0; p < std::min(first, end); ++p)
-      if (mask[p]) s.positions.push_back(p);
+      if (mask[p]) positions.push_back(p);
     const uint8_t* m = mask + first;
     const int64_t* x = c.index;
     const IndexTask ix{reinterpret_cast<const uint8_t*>(x[CODES_BASE] + seq * x[CODES_SEQ_STRIDE] +
@@ -1461,45 +1494,58 @@ void run_task(const Call& c, int64_t task, Scratch& s) {
                        x[CODES_QUAD_STRIDE], x[CODES_GROUP_STRIDE],
                        reinterpret_cast<const uint16_t*>(x[PARAMS_BASE] + seq * x[PARAMS_SEQ_STRIDE] +
                                                          head * x[PARAMS_HEAD_STRIDE])};
-    scan_index(c, ix, s.q.data(), groups, m, s, clock);
+    scan_index(c, ix, sl.q.data(), groups, m, s, clock);
     int64_t usable = 0;
     for (int64_t i = 0; i < covered; ++i) usable += m[i];
     top_m(s.score.data(), covered, std::min(c.shortlist, usable), s, s.chosen);  // ascending
-    for (int64_t i : s.chosen) s.positions.push_back(first + i);
+    for (int64_t i : s.chosen) positions.push_back(first + i);
     for (int64_t p = covered_end; p < end; ++p)
-      if (mask[p]) s.positions.push_back(p);
+      if (mask[p]) positions.push_back(p);
     clock.mark(SHORTLIST);
   } else {
     for (int64_t p = 0; p < end; ++p)
-      if (mask[p]) s.positions.push_back(p);
+      if (mask[p]) positions.push_back(p);
   }
+}
 
-  // exact stage: logits[h * n + r], the rows read in position order, the scattered ones requested ahead
-  const int64_t n = static_cast<int64_t>(s.positions.size());
+// exact stage: float32 logits of the slot's positions, softmax per head, the budget best, then the gather
+void finish_task(const Call& c, const Slot& sl, Scratch& s, Clock& clock) {
+  const int64_t G = c.group, task = sl.task;
+  const char* const* keys = sl.key_seg.data();
+  const float* q = sl.q.data();
+  const std::vector<int64_t>& positions = sl.positions;
+  // logits[h * n + r], the rows read in position order, the scattered ones requested ahead (those a scan requested
+  // already come from cache)
+  const int64_t n = static_cast<int64_t>(positions.size());
   s.row.assign(c.dim_pad, 0.0f);
   s.logits.resize(G * n);
-  int64_t hint = 0, far_hint = 0, near_hint = 0;
   const int64_t row_bytes = c.dim * (c.key_type == F32 ? 4 : 2);
   const int64_t block = 16 % G == 0 && G <= 4 ? 16 / G : 0;  // rows per SIMD block (0: row by row)
-  const void* rows[16];
-  prefetch_rows(c, keys, s.positions, 0, EXACT_FAR, row_bytes, far_hint, false);
-  prefetch_rows(c, keys, s.positions, 0, EXACT_NEAR, row_bytes, near_hint, true);
+  s.row_ptr.resize(n);
+  const char** ptr = s.row_ptr.data();
+  const int64_t* pos = positions.data();
+  int64_t hint = 0;
+  for (int64_t r = 0; r < n; ++r) ptr[r] = static_cast<const char*>(row_at(c, keys, pos[r], hint));
+  if (n > 0) prefetch_row(ptr[0], row_bytes, true);
+  prefetch_rows<false>(ptr, pos, n, 0, EXACT_FAR, row_bytes);
+  prefetch_rows<true>(ptr, pos, n, 0, EXACT_NEAR, row_bytes);
   for (int64_t r = 0; r < n;) {
     if (block && r + block <= n) {
-      prefetch_rows(c, keys, s.positions, r + EXACT_FAR, block, row_bytes, far_hint, false);
-      prefetch_rows(c, keys, s.positions, r + EXACT_NEAR, block, row_bytes, near_hint, true);
-      for (int64_t i = 0; i < block; ++i) rows[i] = row_at(c, keys, s.positions[r + i], hint);
-      if (simd_block_logits(rows, c.key_type, s.q.data(), G, c.dim, c.dim_pad, c.scaling, &s.logits[r], n)) {
+      prefetch_rows<false>(ptr, pos, n, r + EXACT_FAR, block, row_bytes);
+      prefetch_rows<true>(ptr, pos, n, r + EXACT_NEAR, block, row_bytes);
+      const void* rows[16];  // a local copy: with the array itself, gcc reloads the pointers in the inner loop
+      for (int64_t i = 0; i < block; ++i) rows[i] = ptr[r + i];
+      if (simd_block_logits(rows, c.key_type, q, G, c.dim, c.dim_pad, c.scaling, &s.logits[r], n)) {
         r += block;
         continue;
       }
     }
-    prefetch_rows(c, keys, s.positions, r + EXACT_FAR, 1, row_bytes, far_hint, false);
-    prefetch_rows(c, keys, s.positions, r + EXACT_NEAR, 1, row_bytes, near_hint, true);
-    const void* row = row_at(c, keys, s.positions[r], hint);
-    if (!simd_logits(row, c.key_type, s.q.data(), G, c.dim, c.dim_pad, c.scaling, &s.logits[r], n)) {
+    prefetch_rows<false>(ptr, pos, n, r + EXACT_FAR, 1, row_bytes);
+    prefetch_rows<true>(ptr, pos, n, r + EXACT_NEAR, 1, row_bytes);
+    const void* row = ptr[r];
+    if (!simd_logits(row, c.key_type, q, G, c.dim, c.dim_pad, c.scaling, &s.logits[r], n)) {
       to_float(row, c.key_type, c.dim, s.row.data());
-      dots_dispatch(G, s.q.data(), s.row.data(), c.dim_pad, c.scaling, &s.logits[r], n);
+      dots_dispatch(G, q, s.row.data(), c.dim_pad, c.scaling, &s.logits[r], n);
     }
     ++r;
   }
@@ -1518,12 +1564,12 @@ void run_task(const Call& c, int64_t task, Scratch& s) {
   uint8_t* valid = c.out_valid + task * c.budget;
   const int64_t k = static_cast<int64_t>(s.chosen.size());
   for (int64_t i = 0; i < c.budget; ++i) {
-    out[i] = i < k ? s.positions[s.chosen[i]] : 0;
+    out[i] = i < k ? positions[s.chosen[i]] : 0;
     valid[i] = i < k ? 1 : 0;
   }
   clock.mark(EXACT_TOPK);
   if (c.out_keys) {  // the gather: each slot's key and value rows (an invalid slot's: position 0's)
-    const char* const* values = s.value_seg.data();
+    const char* const* values = sl.value_seg.data();
     int64_t key_hint = 0, value_hint = 0, far = 0, near = 0;
     for (int64_t i = 0; i < std::min(c.budget, GATHER_FAR); ++i)  // the values are not in cache: ask ahead
       prefetch_row(static_cast<const char*>(row_at(c, values, out[i], far)), row_bytes, false);
@@ -1539,6 +1585,35 @@ void run_task(const Call& c, int64_t task, Scratch& s) {
       std::memcpy(c.out_values + at, row_at(c, values, out[i], value_hint), row_bytes);
     }
     clock.mark(GATHER);
+  }
+}
+
+// The tasks w, w + workers, ... of one worker, pipelined: the scan of task t requests the rows of task t - 1's
+// shortlist (spread over its groups, into L2), then task t - 1's exact stage reads them from cache. A task's
+// selection depends on that task alone.
+void run_tasks(const Call& c, int64_t w, int64_t workers, Scratch& s) {
+  const int64_t tasks = c.batch * c.kv_heads;
+  const int64_t row_bytes = c.dim * (c.key_type == F32 ? 4 : 2);
+  Slot* waiting = nullptr;
+  int current = 0;
+  for (int64_t t = w; t < tasks; t += workers) {
+    Slot& sl = s.slots[current];
+    begin_task(c, t, sl);
+    if (waiting) s.pending = Pending{waiting->key_seg.data(), waiting->positions.data(),
+                                     static_cast<int64_t>(waiting->positions.size()), 0, row_bytes, 0};
+    Clock clock(c.profile ? c.profile + t * PHASES : nullptr);
+    shortlist_task(c, sl, s, clock);
+    s.pending = Pending{};
+    if (waiting) {
+      Clock finish(c.profile ? c.profile + waiting->task * PHASES : nullptr);
+      finish_task(c, *waiting, s, finish);
+    }
+    waiting = &sl;
+    current ^= 1;
+  }
+  if (waiting) {
+    Clock finish(c.profile ? c.profile + waiting->task * PHASES : nullptr);
+    finish_task(c, *waiting, s, finish);
   }
 }
 
@@ -1660,7 +1735,7 @@ int dc_select(int64_t batch, int64_t kv_heads, int64_t group, int64_t dim, int k
   auto work = [&](int w) {
     try {
       std::unique_ptr<Scratch> s = take_scratch();
-      for (int64_t t = w; t < tasks; t += workers) run_task(c, t, *s);
+      run_tasks(c, w, workers, *s);
       give_scratch(std::move(s));
     } catch (...) {
       failed[w] = 1;
