@@ -1495,8 +1495,14 @@ void shortlist_task(const Call& c, Slot& sl, Scratch& s, Clock& clock) {
                        reinterpret_cast<const uint16_t*>(x[PARAMS_BASE] + seq * x[PARAMS_SEQ_STRIDE] +
                                                          head * x[PARAMS_HEAD_STRIDE])};
     scan_index(c, ix, sl.q.data(), groups, m, s, clock);
-    int64_t usable = 0;
-    for (int64_t i = 0; i < covered; ++i) usable += m[i];
+    int64_t usable = 0;  // mask bytes are 0 or 1: each 8-byte word's bit count is its count of selectable positions
+    int64_t i = 0;
+    for (; i + 8 <= covered; i += 8) {
+      uint64_t word;
+      std::memcpy(&word, m + i, 8);
+      usable += __builtin_popcountll(word);
+    }
+    for (; i < covered; ++i) usable += m[i] != 0;
     top_m(s.score.data(), covered, std::min(c.shortlist, usable), s, s.chosen);  // ascending
     for (int64_t i : s.chosen) positions.push_back(first + i);
     for (int64_t p = covered_end; p < end; ++p)
