@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <sys/mman.h>
 
 template <class T>
@@ -20,9 +21,8 @@ T* huge(size_t n) {  // as host_store.advise_huge_pages: 2 MiB-aligned, transpar
 
 struct Layer {
   uint16_t* keys;
-  uint8_t* packed;
+  uint8_t* packed;  // quad-major, as the lowbit selector stores it: (KV head, quad, group, 64 bytes)
   uint16_t* params;
-  std::vector<int64_t> rows, codes, pars;
 };
 
 int main(int argc, char** argv) {
@@ -46,33 +46,39 @@ int main(int argc, char** argv) {
     l.keys = huge<uint16_t>(H * n * D);
     for (int64_t i = 0; i < H * n * D; ++i)  // standard normal keys (Box-Muller)
       l.keys[i] = f32_to_bf16(std::sqrt(-2 * std::log(uniform())) * std::cos(6.2831853f * uniform()));
+    std::vector<uint8_t> grouped(H * groups * 16 * dq);  // dc_quantize's rows: one group's lines together
     l.packed = huge<uint8_t>(H * groups * 16 * dq);
     l.params = huge<uint16_t>(H * groups * 2 * dq);
-    dc_quantize(l.keys, BF16, H * groups, D, dq, l.packed, l.params, 2);
-    for (int h = 0; h < H; ++h) {
-      l.rows.push_back(reinterpret_cast<int64_t>(l.keys + h * n * D));
-      l.codes.push_back(reinterpret_cast<int64_t>(l.packed + h * groups * 16 * dq));
-      l.pars.push_back(reinterpret_cast<int64_t>(l.params + h * groups * 2 * dq));
-    }
+    dc_quantize(l.keys, BF16, H * groups, D, dq, grouped.data(), l.params, 2);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t j = 0; j < dq / 4; ++j)
+          std::memcpy(l.packed + ((h * (dq / 4) + j) * groups + g) * 64, &grouped[((h * groups + g) * dq / 4 + j) * 64],
+                      64);
   }
   std::vector<float> q(H * G * D);
   for (auto& v : q) v = std::sqrt(-2 * std::log(uniform())) * std::cos(6.2831853f * uniform());
   const int64_t end = n - 64;  // the local window is not selectable
   std::vector<uint8_t> mask(end, 1);
   for (int i = 0; i < 4; ++i) mask[i] = 0;  // sink tokens
-  int64_t seg_start = 0, seg_len = n, first = 0, indexed = end / 64;
+  int64_t row = 0, first = 0, indexed = end / 64;
   std::vector<int64_t> out(H * budget);
   std::vector<uint8_t> valid(H * budget);
   double best[2] = {1e30, 1e30};
   for (int r = 0; r < rounds; ++r)
     for (int lowbit = 0; lowbit < 2; ++lowbit) {
       const auto t0 = std::chrono::steady_clock::now();
-      for (auto& l : layers)
-        if (dc_select(1, H, G, D, BF16, q.data(), 1.0f / std::sqrt(128.0f), end, mask.data(), 1, &seg_start,
-                      &seg_len, l.rows.data(), lowbit ? l.codes.data() : nullptr, l.pars.data(), &first, &indexed,
-                      dq, quads, factor * budget, budget, out.data(), valid.data(), nullptr, nullptr, nullptr,
-                      threads) != 0)
+      for (auto& l : layers) {
+        // one chunk of every position (`Seg`), the index's addresses and byte strides (`Index`)
+        const int64_t seg[SEG_FIELDS] = {0, n, reinterpret_cast<int64_t>(l.keys), 0, n * D * 2, 0, 0, 0};
+        const int64_t index[INDEX_FIELDS] = {reinterpret_cast<int64_t>(l.packed), 0, (dq / 4) * groups * 64,
+                                             groups * 64, 64, reinterpret_cast<int64_t>(l.params), 0,
+                                             groups * 2 * dq * 2};
+        if (dc_select(1, H, G, D, BF16, q.data(), 1.0f / std::sqrt(128.0f), end, mask.data(), &row, 1, seg,
+                      lowbit ? index : nullptr, &first, &indexed, dq, quads, factor * budget, budget, out.data(),
+                      valid.data(), nullptr, nullptr, threads, nullptr) != 0)
           return 1;
+      }
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / L;
       best[lowbit] = std::min(best[lowbit], s);
     }
