@@ -262,7 +262,7 @@ def _native_select(library, query, mask, keys, budget, scaling, index, shortlist
         batch, kv_heads, q_heads // kv_heads, dim, KEY_TYPES[prepared.keys[0].dtype], query.data_ptr(), scaling,
         mask.shape[1], mask.data_ptr(), rows, len(prepared.keys), prepared.table, table, group_first, n_groups,
         dim_q, quads, shortlist, budget, indices.data_ptr(), valid.data_ptr(), out_keys, out_values, max(1, threads),
-        None if profile is None else profile.data_ptr())
+        profile)
     if status != 0:
         raise MemoryError("The native selection engine could not allocate its scratch memory.")
     profiling.record(profile, batch * kv_heads)

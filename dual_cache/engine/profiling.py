@@ -6,6 +6,7 @@ per task; without a recording the engine reads no clock). Used by `dual_cache.ev
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,14 +22,26 @@ _local = threading.local()
 
 @dataclass
 class CallProfile:
-    """One engine call: `phase_ns` `(tasks, len(PHASES))` int64 CPU nanoseconds of the thread that ran each
-    (sequence, KV head) task, per phase (time spent waiting for memory counts, time the thread was descheduled does
-    not, so other load on the host inflates it less than wall time), `wall_ns` the call's wall time inside the engine
-    (threads started and joined included), `workers` the threads it ran on."""
+    """One engine call: per (sequence, KV head) task and phase, the CPU nanoseconds of the thread that ran it (time
+    spent waiting for memory counts, time the thread was descheduled does not, so other load on the host inflates it
+    less than wall time); the call's wall time inside the engine (threads started and joined included); the threads
+    it ran on."""
 
-    phase_ns: torch.Tensor
-    wall_ns: int
-    workers: int
+    raw: ctypes.Array  # what the engine filled: tasks × len(PHASES) phase times, the wall time, the workers
+    tasks: int
+
+    @property
+    def phase_ns(self) -> torch.Tensor:
+        """`(tasks, len(PHASES))` int64 nanoseconds."""
+        return torch.tensor(self.raw[: self.tasks * len(PHASES)], dtype=torch.int64).view(self.tasks, len(PHASES))
+
+    @property
+    def wall_ns(self) -> int:
+        return int(self.raw[self.tasks * len(PHASES)])
+
+    @property
+    def workers(self) -> int:
+        return int(self.raw[self.tasks * len(PHASES) + 1])
 
 
 @contextmanager
@@ -43,16 +56,15 @@ def recording() -> Iterator[list[CallProfile]]:
         _local.calls = previous
 
 
-def buffer(tasks: int) -> torch.Tensor | None:
+def buffer(tasks: int) -> ctypes.Array | None:
     """The int64 buffer a call of `tasks` tasks fills (`tasks · len(PHASES)` phase times, the wall time, the
-    workers), or None outside `recording()`."""
+    workers; a ctypes array, so that profiling adds next to nothing to the call), or None outside `recording()`."""
     if getattr(_local, "calls", None) is None:
         return None
-    return torch.zeros(tasks * len(PHASES) + 2, dtype=torch.int64)
+    return (ctypes.c_int64 * (tasks * len(PHASES) + 2))()
 
 
-def record(filled: torch.Tensor | None, tasks: int) -> None:
+def record(filled: ctypes.Array | None, tasks: int) -> None:
     """File a buffer the engine filled (no-op for None)."""
     if filled is not None:
-        _local.calls.append(CallProfile(filled[: tasks * len(PHASES)].view(tasks, len(PHASES)).clone(),
-                                        int(filled[-2]), int(filled[-1])))
+        _local.calls.append(CallProfile(filled, tasks))
