@@ -43,7 +43,7 @@ class LowBitSelector(Selector):
         super().__init__(*args, **kwargs)
         batch = self.store.shape_prefix[0]
         self.dim_q = padded_dim(self.store.head_dim)
-        self.packed: torch.Tensor | None = None  # (B, H_kv, capacity, D_q / 4, 64) uint8, quad-major (`_codes`)
+        self._lines: torch.Tensor | None = None  # (B, H_kv, D_q / 4, capacity, 64) uint8 code lines (`_codes`)
         self.params: torch.Tensor | None = None  # (B, H_kv, capacity, 2, D_q) bfloat16
         self.group_first = [-1] * batch  # per sequence: position of its group 0 (-1: no real token indexed yet)
         self.n_groups = [0] * batch  # per sequence: complete groups indexed
@@ -99,19 +99,23 @@ class LowBitSelector(Selector):
         capacity = max(groups, -(-self.store.capacity // GROUP), 2 * have)
         nbytes = batch * kv_heads * capacity * self.dim_q * (16 + 4)
         self.claim_host(nbytes - self.host_bytes)  # what the index grows by (the old tensors are freed below)
-        packed = self._codes(batch, capacity)
+        lines = self._codes(batch, capacity)
         params = host_tensor((batch, kv_heads, capacity, 2, self.dim_q), torch.bfloat16)
-        if self.packed is not None:
-            packed[:, :, :have] = self.packed
+        if self._lines is not None:
+            lines[:, :, :, :have] = self._lines
             params[:, :, :have] = self.params
-        self.packed, self.params = packed, params
+        self._lines, self.params = lines, params
+
+    @property
+    def packed(self) -> torch.Tensor | None:
+        """The code lines as `(B, H_kv, capacity, D_q / 4, 64)` uint8 (a view of the quad-major storage), or None."""
+        return None if self._lines is None else self._lines.permute(0, 1, 3, 2, 4)
 
     def _codes(self, batch: int, capacity: int) -> torch.Tensor:
-        """Zeroed code lines `(batch, H_kv, capacity, D_q / 4, 64)` uint8 stored quad-major: each channel quad's
-        lines of all groups one after another, so the scan reads one sequential stream per quad it reads."""
-        quads = self.dim_q // 4
-        storage = host_tensor((batch, self.store.shape_prefix[1], quads, capacity, 64), torch.uint8)
-        return storage.permute(0, 1, 3, 2, 4)
+        """Zeroed code lines `(batch, H_kv, D_q / 4, capacity, 64)` uint8, quad-major: each channel quad's lines of
+        all groups one after another, so the scan reads one sequential stream per quad it reads. The tensor itself is
+        kept (`_lines`): the host-memory accounting of `host_tensor` ends when it is collected."""
+        return host_tensor((batch, self.store.shape_prefix[1], self.dim_q // 4, capacity, 64), torch.uint8)
 
     def _keys(self, lo: int, hi: int, row: int) -> torch.Tensor:
         """`(H_kv, hi - lo, D)` keys of one sequence at positions `[lo, hi)`, read chunk by chunk."""
@@ -160,7 +164,7 @@ class LowBitSelector(Selector):
             lo = self.group_first[row] + have * GROUP
             keys = self._keys(lo, lo + (want - have) * GROUP, row).reshape(kv_heads * (want - have), GROUP, dim)
             packed, params = quantize_fast(keys)
-            self.packed[row, :, have:want] = packed.view(kv_heads, want - have, -1, 64)
+            self._lines[row, :, :, have:want] = packed.view(kv_heads, want - have, -1, 64).transpose(1, 2)
             self.params[row, :, have:want] = params.view(kv_heads, want - have, 2, -1)
             self.n_groups[row] = want
 
@@ -173,7 +177,7 @@ class LowBitSelector(Selector):
             for i, ((source, row), count) in enumerate(zip(sources, counts)):
                 if count:
                     at = row if source.packed.shape[0] > 1 else 0
-                    self.packed[i, :, :count] = source.packed[at, :, :count]
+                    self._lines[i, :, :, :count] = source._lines[at, :, :, :count]
                     self.params[i, :, :count] = source.params[at, :, :count]
                     self.group_first[i], self.n_groups[i] = int(first_real[i]), count
         self._changed()
@@ -211,11 +215,11 @@ class LowBitSelector(Selector):
         batch = self.store.shape_prefix[0]
         if self.packed is not None:  # allocate (and claim) first: a HostMemoryError leaves the index as it was
             self.claim_host((batch - 1) * (self.packed[0].nbytes + self.params[0].nbytes))
-            packed = self._codes(batch, self.packed.shape[2])
+            lines = self._codes(batch, self._lines.shape[3])
             params = host_tensor((batch, *self.params.shape[1:]), torch.bfloat16)
-            packed.copy_(self.packed.expand_as(packed))
+            lines.copy_(self._lines.expand_as(lines))
             params.copy_(self.params.expand_as(params))
-            self.packed, self.params = packed, params
+            self._lines, self.params = lines, params
         self.group_first = self.group_first[:1] * batch
         self.n_groups = self.n_groups[:1] * batch
         self._changed()
@@ -269,10 +273,10 @@ class LowBitSelector(Selector):
 
     @property
     def host_bytes(self) -> int:
-        return 0 if self.packed is None else self.packed.nbytes + self.params.nbytes
+        return 0 if self._lines is None else self._lines.nbytes + self.params.nbytes
 
     def free(self) -> None:
-        self.packed = self.params = None
+        self._lines = self.params = None
         self._prepared = None  # its views would keep the store's chunks alive
         self._changed()
         self.n_groups = [0] * len(self.n_groups)
