@@ -63,7 +63,7 @@ def dual_attention(
         return own(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
 
     q_len = query.shape[2]
-    segments = cache.decode_segments(module.layer_idx, query, scaling)
+    segments = cache.decode_segments(module.layer_idx, query, scaling, kwargs.get("softcap"))
     n = layer.get_seq_length()
     query_positions = torch.arange(n - q_len, n, device=query.device)
     out = sparse_decode_attention(

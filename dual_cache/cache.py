@@ -360,10 +360,11 @@ class DualDecoderCache(Cache):
         host before the step (`repair.RepairPolicy.rows`)."""
         self.step_rows = dataclasses.replace(rows, agree=self.shard.any_rank) if self.shard.sharded else rows
 
-    def decode_segments(self, layer_idx: int, query: torch.Tensor, scaling: float) -> list[KVSegment]:
+    def decode_segments(self, layer_idx: int, query: torch.Tensor, scaling: float,
+                        softcap: float | None = None) -> list[KVSegment]:
         """The segments layer `layer_idx` attends to in the running decode step (`DualLayer.decode_segments` with
         this step's rows); counts drift repairs."""
-        segments, drifted = self.layers[layer_idx].decode_segments(query, scaling, self.step_rows)
+        segments, drifted = self.layers[layer_idx].decode_segments(query, scaling, self.step_rows, softcap)
         self.drift_repairs += drifted
         return segments
 

@@ -380,14 +380,19 @@ class HostKVStore:
         """Keys and values at `indices` (b, H_kv, k) int64 positions `< length`.
 
         Args:
-            out: optional contiguous `(keys, values)` `(b, H_kv, k, D)` host tensors to write into (e.g. a staging
-                buffer).
+            out: optional `(keys, values)` `(b, H_kv, k, D)` host tensors to write into (e.g. a staging buffer;
+                written in place when contiguous, through a temporary otherwise).
             rows: the store's sequences the `b` rows of `indices` belong to (ValueError if outside its batch);
                 None: `0 … b - 1`.
 
         Returns:
             `(keys, values)`, each `(b, H_kv, k, D)`.
         """
+        if out is not None and not all(o.is_contiguous() for o in out):  # slots of a wider buffer: via a copy
+            keys, values = self.gather(indices, None, rows)
+            out[0].copy_(keys)
+            out[1].copy_(values)
+            return out[0], out[1]
         out_keys, out_values = out if out is not None else (None, None)
         own = self.own_rows(rows, indices.shape[0])
         return self._gather(0, indices, out_keys, own), self._gather(1, indices, out_values, own)

@@ -16,6 +16,7 @@ from .host_memory import HostMemory
 from .host_store import HostKVStore
 from .kernels import KVSegment
 from .repair import StepRows
+from .rerank import rerank_valid
 from .schedule import TransferSchedule
 from .streams import to_host_list
 from .selectors import SELECTORS, Candidates, Selector
@@ -78,6 +79,9 @@ class DualLayer(CacheLayerMixin):
         self.selector: Selector | None = None  # built with the host store when the layer retrieves (budget > 0)
         self.schedule: TransferSchedule | None = None  # the running request's (`begin_request`)
         self.request_budget = budget  # this request's budget: at most its tokens
+        self.fetch_budget = budget  # entries per KV head the selector chooses for a slot (`_fetch_for`)
+        self.next_budget = 0  # slots after them for the next positions of what the real token attended
+        self.attended: torch.Tensor | None = None  # (B, H_kv, S) int64 device: this step's attended positions, -1
         self.ring_size = config.window + 2
         self.reserve_tokens = 0  # tokens the host store holds at once when the request starts
         self.decoding = False
@@ -103,7 +107,7 @@ class DualLayer(CacheLayerMixin):
         self.host.reserve(self.reserve_tokens)
         if self.budget > 0:
             self.selector = SELECTORS[self.config.selector](
-                self.config, self.request_budget, self.host, self.device, claim_host=self.host_memory.claim
+                self.config, self.fetch_budget, self.host, self.device, claim_host=self.host_memory.claim
             )
         self.is_initialized = True
 
@@ -181,13 +185,25 @@ class DualLayer(CacheLayerMixin):
         self.schedule = schedule
         self.unstored = 0
         self.request_budget = min(self.budget, tokens)
+        self.fetch_budget = self._fetch_for(self.request_budget, tokens)
+        self.next_budget = self.request_budget if (
+            self.config.fetch_next and SELECTORS[self.config.selector].prefetched and self.fetch_budget < tokens
+            and self.request_budget > 0) else 0
+        self.attended = None
         self.ring_size = min(self.config.window, tokens) + 2
         self.reserve_tokens = reserve
         self.decoding = False
         if self.host is not None:
             self.host.reserve(reserve)
         if self.selector is not None:
-            self.selector.budget = self.request_budget
+            self.selector.budget = self.fetch_budget
+
+    def _fetch_for(self, budget: int, tokens: int) -> int:
+        """Entries per KV head a selection slot holds for a request of `tokens` tokens: `fetch_factor × budget` for
+        a prefetched selector (the real query re-ranks them on the device, `rerank.py`), else `budget`."""
+        if not SELECTORS[self.config.selector].prefetched:
+            return budget
+        return max(budget, min(self.config.fetch_factor * budget, tokens))
 
     def share(self, batch: int) -> None:
         """The stored sequence becomes a prefix `batch` sequences share (`HostKVStore.share`, `Selector.share`)."""
@@ -206,6 +222,7 @@ class DualLayer(CacheLayerMixin):
         self.sink_keys = self.sink_values = self.sink_pos = self.sink_valid = None
         self.ring_keys = self.ring_values = None
         self.selecting_query = None
+        self.attended = None
 
     # --- prefill ---------------------------------------------------------------------------------------
     def prefill_kv(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,14 +276,15 @@ class DualLayer(CacheLayerMixin):
             self.submit_selection(self.next_query, committed=n)
 
     def _selection_job(self, query: torch.Tensor, committed: int, rows: list[int] | None = None,
-                       exact: frozenset[int] = frozenset(), use: str = "prefetch"):
+                       exact: frozenset[int] = frozenset(), use: str = "prefetch", follow=None):
         """The selector's retrieval job for `query` `(B, H_q, D)` (any device: copied to the host on the copy stream,
         the job waits for it) among the candidates below `committed - window`; `rows` selects for those sequences
-        only (a repair), `exact` of them by exact scoring (`Selector.job`)."""
+        only (a repair), `exact` of them by exact scoring; `follow` the host copy of the positions the real token
+        attended (`Selector.job`)."""
         end = max(0, committed - self.config.window)
         host_query, ready = self.schedule.query_to_host(self.layer_idx, query, use)
         candidates = Candidates(self.sequences.candidates_below(end), self.sequences.first_real)
-        return self.selector.job(host_query, ready, candidates, self.scaling, rows, exact)
+        return self.selector.job(host_query, ready, candidates, self.scaling, rows, exact, follow)
 
     def submit_selection(self, query: torch.Tensor, committed: int) -> None:
         """Schedule the selection for the step whose committed length is `committed` tokens.
@@ -280,8 +298,12 @@ class DualLayer(CacheLayerMixin):
             return
         self.selecting_query = query
         batch, kv_heads = self.host.shape_prefix
-        shape = (batch, kv_heads, self.request_budget, self.host.head_dim)
-        self.schedule.submit(self.layer_idx, self._selection_job(query, committed), shape, self.host.dtype)
+        shape = (batch, kv_heads, self.fetch_budget + self.next_budget, self.host.head_dim)
+        follow = None
+        if self.next_budget and self.attended is not None:
+            follow = self.schedule.query_to_host(self.layer_idx, self.attended, "attended")
+        self.schedule.submit(self.layer_idx, self._selection_job(query, committed, follow=follow), shape,
+                             self.host.dtype)
 
     def repair_selection(self, query: torch.Tensor, committed: int, rows: list[int], batch: int,
                          drifted: list[int] = ()) -> None:
@@ -303,16 +325,18 @@ class DualLayer(CacheLayerMixin):
         job = self._selection_job(query, committed, subset, frozenset(drifted), use="repair")
         self.schedule.repair(self.layer_idx, job, list(rows))
 
-    def decode_segments(self, query: torch.Tensor, scaling: float,
-                        rows: StepRows = StepRows()) -> tuple[list[KVSegment], int]:
+    def decode_segments(self, query: torch.Tensor, scaling: float, rows: StepRows = StepRows(),
+                        softcap: float | None = None) -> tuple[list[KVSegment], int]:
         """The device-resident KV segments the running step attends to: sink, selection, window ring.
 
         Args:
             query: `(B, H_q, q, D)` queries of the step (q = 1 or 2); selectors that are not prefetched (oracle,
                 Quest) select with the real token's query (slot 0) here, synchronously, and so does miss repair for
-                `rows`.
+                `rows`. A prefetched selection of more entries than the budget (`fetch_factor`) is re-ranked here
+                by the real token's query, on the device (`rerank.rerank_valid`).
             scaling: the layer's softmax scale.
             rows: the sequences this step repairs or checks for drift.
+            softcap: the model's attention logit soft-cap, or None (used by the re-rank's scores).
 
         Returns:
             `KVSegment`s read in place (no concatenation; the ring segment also holds the step's q new tokens),
@@ -333,7 +357,13 @@ class DualLayer(CacheLayerMixin):
                 if repair:
                     self.repair_selection(query[:, :, 0], n - q, repair, rows.batch, drift_only)
                 drifted = int(bool(drift_only))
-            segments.append(KVSegment(selection.keys, selection.values, selection.indices, selection.valid))
+            valid = selection.valid
+            if selector.prefetched and valid.shape[2] > self.request_budget and \
+                    n - q - self.config.window > self.request_budget:  # more candidates than the budget
+                valid = rerank_valid(query[:, :, 0], selection.keys, valid, self.request_budget, scaling, softcap)
+            if self.next_budget:
+                self.attended = torch.where(valid, selection.indices, -1)
+            segments.append(KVSegment(selection.keys, selection.values, selection.indices, valid))
         ring_pos, ring_valid = self.sequences.ring_view(n, q, self.config.window, self.ring_size, self.device)
         segments.append(KVSegment(self.ring_keys, self.ring_values, ring_pos, ring_valid))
         return segments, drifted

@@ -58,6 +58,16 @@ class Selection:
             torch.empty(batch, kv_heads, tokens, dim, dtype=dtype, device=device, pin_memory=pin),
         )
 
+    def narrow(self, slots: int) -> "Selection":
+        """Views of the first `slots` entries of each (sequence, KV head)."""
+        return Selection(self.indices[..., :slots], self.valid[..., :slots], self.keys[..., :slots, :],
+                         self.values[..., :slots, :])
+
+    def tail(self, start: int) -> "Selection":
+        """Views of the entries from slot `start` on."""
+        return Selection(self.indices[..., start:], self.valid[..., start:], self.keys[..., start:, :],
+                         self.values[..., start:, :])
+
     def copy_from(self, other: "Selection", non_blocking: bool = False) -> None:
         """Copy `other`'s four tensors into these (same shapes)."""
         for dst, src in zip((self.indices, self.valid, self.keys, self.values),
@@ -148,18 +158,19 @@ class TransferSchedule:
     def query_to_host(self, layer_idx: int, query: torch.Tensor, use: str = "prefetch"):
         """Start copying `query` `(B, H_q, D)` (any float dtype, on the device) to a float32 host buffer of the
         layer's (page-locked on CUDA; one per layer and `use`, reused every step), on the copy stream after the
-        compute stream's work so far. Returns `(buffer, ready)`: read the buffer after `ready.synchronize()`.
+        compute stream's work so far; an integer tensor (positions) keeps its dtype. Returns `(buffer, ready)`: read the buffer after `ready.synchronize()`.
         The launching thread does not wait."""
+        dtype = torch.float32 if query.is_floating_point() else query.dtype  # positions stay int64
         if not self.streams.asynchronous:  # a CPU device: the query is in host memory already
-            return query.detach().float(), self.streams.record("copy")
+            return query.detach().to(dtype), self.streams.record("copy")
         key = (layer_idx, use)
         buffer = self._queries.get(key)
-        if buffer is None or buffer.shape != query.shape:
-            buffer = torch.empty(query.shape, dtype=torch.float32, pin_memory=self._pin)
+        if buffer is None or buffer.shape != query.shape or buffer.dtype != dtype:
+            buffer = torch.empty(query.shape, dtype=dtype, pin_memory=self._pin)
             self._queries[key] = buffer
         source = query.detach()
-        if source.dtype != torch.float32:
-            source = source.float()
+        if source.dtype != dtype:
+            source = source.to(dtype)
         self.streams.wait(self.streams.record("compute"), "copy")
         self.streams.copy(buffer, source)
         return buffer, self.streams.record("copy")

@@ -48,5 +48,5 @@ def test_bad_rates_and_no_repair_are_refused():
     for rate in (-0.1, 1.5, True, "0.2"):
         with pytest.raises(ValueError, match="miss_rate"):
             ForcedMissCache(config, miss_rate=rate, **OPTIONS)
-    with pytest.raises(ValueError, match="miss_repair=True"):
+    with pytest.raises(ValueError, match="miss_repair=False"):
         ForcedMissCache(config, miss_rate=0.2, miss_repair=False, **OPTIONS)

@@ -69,9 +69,9 @@ def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor]
         quads: channel quads (4 channels each) the scan reads, 1 .. `padded_dim(D) / 4`; None: all of them.
         threads: host threads (default `torch.get_num_threads()`); the result does not depend on it.
         values: the value chunks matching `keys` (same shapes and dtype), to gather with `out`.
-        out: `(keys_out, values_out)`, each `(b, H_kv, budget, D)` contiguous in the keys' dtype: filled with the
-            rows at the returned indices (an invalid slot gets position 0's rows, as `HostKVStore.gather` of the
-            indices would).
+        out: `(keys_out, values_out)`, each `(b, H_kv, budget, D)` in the keys' dtype, contiguous or the first
+            `budget` slots of a contiguous `(b, H_kv, S, D)` tensor (`S >= budget`): filled with the rows at the
+            returned indices (an invalid slot gets position 0's rows, as `HostKVStore.gather` of the indices would).
         rows: the store's sequences (rows of the chunks and of the index) that the `b` queries belong to, in
             order; None: `0 … b - 1`. A subset costs only its own work (the repair of some sequences of a batch).
 
@@ -135,10 +135,21 @@ def _check_gather(keys, values, out, shape) -> None:
     if len(values) != len(keys) or any(v.shape != k.shape or v.dtype != k.dtype or v.stride(-1) != 1
                                        or v.stride(-2) != v.shape[-1] for k, v in zip(keys, values)):
         raise ValueError("select's `values` must match `keys` chunk by chunk (shapes, dtype, contiguous rows).")
-    if len(out) != 2 or any(o.shape != shape or o.dtype != keys[0].dtype or not o.is_contiguous()
-                            or o.device.type != "cpu" for o in out):
-        raise ValueError(f"select's `out` must be two contiguous host tensors of shape {shape} and dtype "
-                         f"{keys[0].dtype}.")
+    if len(out) != 2 or any(o.shape != shape or o.dtype != keys[0].dtype or out_slots(o) is None
+                            or o.device.type != "cpu" for o in out) or out_slots(out[0]) != out_slots(out[1]):
+        raise ValueError(f"select's `out` must be two host tensors of shape {shape} and dtype {keys[0].dtype}, "
+                         "contiguous or the leading slots of contiguous (b, H_kv, S, D) tensors alike.")
+
+
+def out_slots(out: torch.Tensor) -> int | None:
+    """Rows per (sequence, KV head) of the contiguous tensor `out` `(b, H_kv, k, D)` is the first `k` slots of (its
+    own `k` when contiguous), or None when it is not laid out that way."""
+    batch, kv_heads, _, dim = out.shape
+    slots = out.stride(1) // dim if dim else 0
+    if out.stride(-1) != 1 or out.stride(-2) != dim or out.stride(1) != slots * dim or slots < out.shape[2] \
+            or (batch > 1 and out.stride(0) != kv_heads * slots * dim):
+        return None
+    return slots
 
 
 def _int64s(values: list[int]):
@@ -173,7 +184,9 @@ def _native_select(library, query, mask, keys, budget, scaling, view, shortlist,
     addresses = _segment_rows(keys, rows, kv_heads)
     seg_ptr = _int64s([row[task] for task in tasks for row in addresses])  # (b·H_kv, chunks)
     value_ptr = out_keys = out_values = None
+    slots = budget
     if values is not None:
+        slots = out_slots(out[0])
         value_rows = _segment_rows(values, rows, kv_heads)
         value_ptr = _int64s([row[task] for task in tasks for row in value_rows])
         out_keys, out_values = out[0].data_ptr(), out[1].data_ptr()
@@ -195,7 +208,7 @@ def _native_select(library, query, mask, keys, budget, scaling, view, shortlist,
         batch, kv_heads, q_heads // kv_heads, dim, KEY_TYPES[keys[0].dtype], query.data_ptr(), scaling,
         mask.shape[1], mask.data_ptr(), len(keys), _int64s(starts), _int64s(lengths), seg_ptr, codes_ptr,
         params_ptr, group_first, n_groups, dim_q, quads, shortlist, budget, indices.data_ptr(), valid.data_ptr(),
-        value_ptr, out_keys, out_values, max(1, threads))
+        value_ptr, out_keys, out_values, slots, max(1, threads))
     if status != 0:
         raise MemoryError("The native selection engine could not allocate its scratch memory.")
     return indices, valid

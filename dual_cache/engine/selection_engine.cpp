@@ -73,8 +73,9 @@ struct Call {
   uint8_t* out_valid;    // (batch, kv_heads, budget)
   // optional gather of the selected K/V rows (value_ptr == nullptr: none)
   const int64_t* value_ptr;  // (batch * kv_heads, n_segs) address of the task's first value row in the segment
-  char* out_keys;            // (batch, kv_heads, budget, dim) of the key type
-  char* out_values;          // (batch, kv_heads, budget, dim)
+  char* out_keys;            // (batch, kv_heads, out_slots, dim) of the key type: the first budget slots written
+  char* out_values;          // (batch, kv_heads, out_slots, dim)
+  int64_t out_slots;         // rows per (sequence, KV head) of out_keys / out_values (>= budget)
 };
 
 struct Scratch {
@@ -1104,7 +1105,7 @@ void run_task(const Call& c, int64_t task, Scratch& s) {
   if (c.value_ptr) {  // the gather: each slot's key and value rows (an invalid slot's: position 0's)
     int64_t key_hint = 0, value_hint = 0;
     for (int64_t i = 0; i < c.budget; ++i) {
-      const int64_t at = (task * c.budget + i) * row_bytes;
+      const int64_t at = (task * c.out_slots + i) * row_bytes;
       std::memcpy(c.out_keys + at, key_row(c, task, out[i], key_hint), row_bytes);
       std::memcpy(c.out_values + at, row_at(c, c.value_ptr, task, out[i], value_hint), row_bytes);
     }
@@ -1217,10 +1218,11 @@ int dc_select(int64_t batch, int64_t kv_heads, int64_t group, int64_t dim, int k
               const int64_t* seg_len, const int64_t* seg_ptr, const int64_t* codes_ptr, const int64_t* params_ptr,
               const int64_t* group_first, const int64_t* n_groups, int64_t dim_q, int64_t quads,
               int64_t shortlist, int64_t budget, int64_t* out_indices, uint8_t* out_valid, const int64_t* value_ptr,
-              void* out_keys, void* out_values, int threads) {
+              void* out_keys, void* out_values, int64_t out_slots, int threads) {
   Call c{batch, kv_heads, group, dim, (dim + LANES - 1) / LANES * LANES, key_type, query, scaling, end, mask,
          n_segs, seg_start, seg_len, seg_ptr, codes_ptr, params_ptr, group_first, n_groups, dim_q, quads, shortlist,
-         budget, out_indices, out_valid, value_ptr, static_cast<char*>(out_keys), static_cast<char*>(out_values)};
+         budget, out_indices, out_valid, value_ptr, static_cast<char*>(out_keys), static_cast<char*>(out_values),
+         out_slots};
   const int64_t tasks = batch * kv_heads;
   // a thread is started per call: only for work that outweighs starting it (the result never depends on it)
   const int64_t worth = std::max<int64_t>(1, tasks * end / MIN_POSITIONS_PER_THREAD);

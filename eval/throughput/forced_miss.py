@@ -27,7 +27,8 @@ class ForcedMissCache(DualDecoderCache):
     """`DualDecoderCache` that repairs a seeded random `miss_rate` fraction of the live sequences each step.
 
     Args:
-        config, dual_config, max_cache_len, **options: as `DualDecoderCache`; `miss_repair` must be on.
+        config, dual_config, max_cache_len, **options: as `DualDecoderCache`; `miss_repair` is turned on (a
+            `dual_config` must have it on).
         miss_rate: probability in [0, 1] that a live sequence counts as missed at a decode step (0: never
             repaired after the first step; 1: every step repaired).
         seed: seed of the draws (one uniform draw per sequence and step, on the host).
@@ -40,9 +41,11 @@ class ForcedMissCache(DualDecoderCache):
                  **options) -> None:
         if isinstance(miss_rate, bool) or not isinstance(miss_rate, (int, float)) or not 0.0 <= miss_rate <= 1.0:
             raise ValueError(f"miss_rate must be a number in [0, 1], got {miss_rate!r}.")
+        if options.get("miss_repair", True) is False or (dual_config is not None and not dual_config.miss_repair):
+            raise ValueError("ForcedMissCache forces miss repairs; build it without miss_repair=False.")
+        if dual_config is None:
+            options["miss_repair"] = True
         super().__init__(config, dual_config, max_cache_len, **options)
-        if not self.dual_config.miss_repair:
-            raise ValueError("ForcedMissCache forces miss repairs; build it with miss_repair=True.")
         self.miss_rate = float(miss_rate)
         self._draws = random.Random(seed)
         self.forced_misses = 0  # (step, sequence) pairs marked missed after the first step
