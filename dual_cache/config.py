@@ -64,6 +64,12 @@ class DualDecoderConfig:
             entry at the next position (`budget` more slots): where a token continues a copy (a needle's digits),
             its query needs the entry after the one the previous token attended, which a mis-speculated token's
             query does not choose. The real query's re-rank picks among them too.
+        coupled_sampling: under sampling, draw the speculated token with the randomness that will draw the next
+            real token (Gumbel-max with the same noise on both slots' processed scores; `sampling.py`), so sampled
+            decoding guesses about as well as greedy decoding; every real token stays an exact sample of
+            `generate()`'s processed distribution. False draws the real token with `torch.multinomial` as
+            transformers' `_sample` does (the default cache's tokens for a seed, at full budget) and guesses the
+            argmax.
         miss_repair: when the real token differs from the speculated token that chose its step's entries (and on
             the first decode step, whose entries the prompt's last position chose), select that step's entries
             again with the real token's own query, synchronously, layer by layer (only for the sequences that
@@ -131,6 +137,7 @@ class DualDecoderConfig:
     speculator: str = "self"
     fetch_factor: int = 2
     fetch_next: bool = True
+    coupled_sampling: bool = True
     miss_repair: bool = False
     repair_drift: float | None = 0.4
     drift_on_hit_steps: bool | None = None
@@ -291,6 +298,6 @@ class DualDecoderConfig:
         if self.drift_on_hit_steps is not None and not isinstance(self.drift_on_hit_steps, bool):
             raise ValueError(
                 f"`drift_on_hit_steps` must be True, False or None (auto), got {self.drift_on_hit_steps!r}.")
-        for name in ("prefill_progress", "record_timeline", "miss_repair", "fetch_next"):
+        for name in ("prefill_progress", "record_timeline", "miss_repair", "fetch_next", "coupled_sampling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")

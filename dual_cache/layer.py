@@ -82,6 +82,9 @@ class DualLayer(CacheLayerMixin):
         self.fetch_budget = budget  # entries per KV head the selector chooses for a slot (`_fetch_for`)
         self.next_budget = 0  # slots after them for the next positions of what the real token attended
         self.attended: torch.Tensor | None = None  # (B, H_kv, S) int64 device: this step's attended positions, -1
+        # (B, H_kv, m) int64 host, -1 where none: the positions the last step attended when a request ended mid-decode
+        # (its first step's next positions: kept between requests with `next_query`, carried by `regroup`)
+        self.next_attended: torch.Tensor | None = None
         self.ring_size = config.window + 2
         self.reserve_tokens = 0  # tokens the host store holds at once when the request starts
         self.decoding = False
@@ -217,6 +220,8 @@ class DualLayer(CacheLayerMixin):
         index and `next_query` stay for a request that continues these sequences."""
         if self.decoding and self.selecting_query is not None:
             self.next_query = self.selecting_query.detach().to("cpu", torch.float32)
+            if self.attended is not None:  # else no step ran: the first step's positions stand
+                self.next_attended = compact_positions(self.attended, self.request_budget).to("cpu")
         self.schedule = None
         self.decoding = False
         self.sink_keys = self.sink_values = self.sink_pos = self.sink_valid = None
@@ -245,6 +250,7 @@ class DualLayer(CacheLayerMixin):
         """A prefill chunk was stored: keep its last position's query `(B, H_q, D)` (it selects the first decode
         step) and extend the selector's host index over the prompt so far."""
         self.next_query = query.detach().to("cpu", torch.float32)
+        self.next_attended = None  # the prompt's last token chose: its own top entries continue (`Selector.job`)
         self.scaling = scaling
         if self.selector is not None:
             batch, length, start = self.host.shape_prefix[0], self.host.length, self.host.shared_length
@@ -273,7 +279,7 @@ class DualLayer(CacheLayerMixin):
         self.ring_values.index_copy_(2, slots, values.to(self.device))
         self.decoding = True
         if self.selector is not None and self.selector.prefetched:
-            self.submit_selection(self.next_query, committed=n)
+            self.submit_selection(self.next_query, committed=n, attended=self.next_attended)
 
     def _selection_job(self, query: torch.Tensor, committed: int, rows: list[int] | None = None,
                        exact: frozenset[int] = frozenset(), use: str = "prefetch", follow=None):
@@ -286,22 +292,26 @@ class DualLayer(CacheLayerMixin):
         candidates = Candidates(self.sequences.candidates_below(end), self.sequences.first_real)
         return self.selector.job(host_query, ready, candidates, self.scaling, rows, exact, follow)
 
-    def submit_selection(self, query: torch.Tensor, committed: int) -> None:
+    def submit_selection(self, query: torch.Tensor, committed: int, attended: torch.Tensor | None = None) -> None:
         """Schedule the selection for the step whose committed length is `committed` tokens.
 
         Args:
             query: `(B, H_q, D)` query (any device) of the (speculated or real) token predicting that step.
             committed: real tokens in the cache when that step starts; its window is `[committed - window,
                 committed)` and candidates lie in `[0, committed - window)` minus sink and pads.
+            attended: `(B, H_kv, m)` int64 positions the real token attended (-1: none), whose next positions the
+                selection adds (`fetch_next`); None: this step's (`attended`, set by `decode_segments`).
         """
         if self.selector is None:
             return
         self.selecting_query = query
         batch, kv_heads = self.host.shape_prefix
         shape = (batch, kv_heads, self.fetch_budget + self.next_budget, self.host.head_dim)
+        attended = self.attended if attended is None else attended
         follow = None
-        if self.next_budget and self.attended is not None:
-            follow = self.schedule.query_to_host(self.layer_idx, self.attended, "attended")
+        if self.next_budget and attended is not None:
+            follow = (attended, None) if attended.device.type == "cpu" and self.device.type != "cpu" else \
+                self.schedule.query_to_host(self.layer_idx, attended, "attended")
         self.schedule.submit(self.layer_idx, self._selection_job(query, committed, follow=follow), shape,
                              self.host.dtype)
 
@@ -415,8 +425,16 @@ class DualLayer(CacheLayerMixin):
     def free(self) -> None:
         """Release host chunks, the selector's state and device tiers (the token count stays readable)."""
         self.end_request()
-        self.next_query = None
+        self.next_query = self.next_attended = None
         if self.host is not None:
             self.host.free()
         if self.selector is not None:
             self.selector.free()
+
+
+def compact_positions(positions: torch.Tensor, width: int) -> torch.Tensor:
+    """`(B, H_kv, width)`: the largest `width` entries of `positions` `(B, H_kv, n)` (positions, -1 where none), i.e.
+    every position when at most `width` are set, padded with -1."""
+    if positions.shape[2] >= width:
+        return torch.topk(positions, width, dim=-1).values
+    return torch.nn.functional.pad(positions, (0, width - positions.shape[2]), value=-1)

@@ -19,6 +19,7 @@ from ..sync_points import count_host_wait, uncounted
 from ..schedule import Selection
 
 HostClaim = Callable[[int], None]  # called with a byte count before host memory is allocated; may raise
+OWN_TOP = -2  # a row of attended positions marked so: its query's own top entries stand for them (`Selector.job`)
 
 
 @dataclass(frozen=True)
@@ -189,10 +190,10 @@ class Selector:
                 own policy: drift repairs (`repair_drift`).
             follow: for a staging buffer wider than `budget` (`DualDecoderConfig.fetch_next`): `(positions,
                 ready)`, the `(B, H_kv, m)` int64 host positions the real token attended in this step (-1 where
-                none; being copied until `ready.synchronize()`, or `ready` None); the slots past `budget` get
-                the *next* position of each (`next_positions`). None: on a prefetch, the next positions of this
-                query's own top entries (a request's first step: the query is the prompt's last, a real token's);
-                on a repair, those slots stay invalid.
+                none; a row whose first entry is `OWN_TOP`: this query's own top entries, a request's first step,
+                whose query is the prompt's last token's; being copied until `ready.synchronize()`, or `ready`
+                None); the slots past `budget` get the *next* position of each (`next_positions`). None: on a
+                prefetch, every row `OWN_TOP`; on a repair, those slots stay invalid.
 
         Returns:
             `job(staging)`, filling a host `Selection` of shape `(B, H_kv, S, D)` (`S >= budget`) in place.
@@ -238,26 +239,36 @@ class Selector:
                         staging.keys[ids], staging.values[ids] = out
             extra = full.indices.shape[2] - self.budget
             if extra:
-                tail = full.tail(self.budget)
+                attended = None
                 if follow is not None:
                     attended = follow[0]
-                elif rows is None:  # the first step: this (real) query's own top entries
-                    own, valid = self._select_top(query, candidates, scaling, extra)
-                    attended = torch.where(valid, own, -1)
-                else:
-                    attended = None
-                self._fill_next(tail, staging, attended, candidates)
+                elif rows is None:  # a request's first step: every row continues this (real) query's own top
+                    attended = torch.full((batch, 1, 1), OWN_TOP, dtype=torch.long)
+                if attended is not None:
+                    attended = self._own_top(attended, query, candidates, scaling, extra)
+                self._fill_next(full.tail(self.budget), staging, attended, candidates)
 
         return run
 
-    def _select_top(self, query: torch.Tensor, candidates: Candidates, scaling: float,
-                    count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`select` with a budget of `count` entries (the selector's budget restored afterwards)."""
+    def _own_top(self, attended: torch.Tensor, query: torch.Tensor, candidates: Candidates, scaling: float,
+                 count: int) -> torch.Tensor:
+        """`attended` `(B, H_kv or 1, m)` with each row marked `OWN_TOP` (a request's first step: the query is the
+        prompt's last token's, a real one) replaced by the top `count` positions of that row's own query."""
+        own = [b for b in range(attended.shape[0]) if int(attended[b, 0, 0]) == OWN_TOP]
+        if not own:
+            return attended
+        kv_heads = self.store.shape_prefix[1]
+        width = max(count, attended.shape[2])
+        out = torch.full((attended.shape[0], kv_heads, width), -1, dtype=torch.long)
+        out[..., :attended.shape[2]] = attended
         budget, self.budget = self.budget, count
         try:
-            return self.select(query, candidates, scaling)
+            positions, valid = self.select(query[own], candidates.subset(own), scaling)
         finally:
             self.budget = budget
+        out[own] = -1
+        out[own, :, :count] = torch.where(valid, positions, -1)
+        return out
 
     def _fill_next(self, tail: Selection, chosen: Selection, attended: torch.Tensor | None,
                    candidates: Candidates) -> None:

@@ -183,7 +183,7 @@ class DualBatch:
             token = row.pick(logits[i] if spec_logits is None else logits[i, 0])
             if speculated is not None:
                 row.last_hit = token == row.speculated
-                row.guess = int(logits[i, 1].argmax())
+                row.guess = row.speculate(logits[i, 1])
                 hits, steps = hits + int(row.last_hit), steps + 1
             row.emit(token, self.decode, self.eos_ids)
         cache.record_speculation(hits, steps)
