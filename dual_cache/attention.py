@@ -14,8 +14,8 @@ from typing import Callable
 import torch
 
 from .layer import DualLayer
-from .refusals import refuse
 from .kernels import sparse_decode_attention
+from .refusals import refuse
 
 
 def dual_attention(

@@ -11,9 +11,8 @@ positions and cache in their place:
 
 - a prefill chunk ending at input position `end` gets the per-position inputs up to `end`, as transformers' chunked
   prefill gives them, and the prefill-only inputs (a prompt with those must fit one chunk, as in transformers);
-- a decode step `[x_t, x̂_{t+1}]` gets them extended once more for the speculated token: the position after `x_t`,
-  given what transformers would give that position if `x_t` were followed by another token (GPT-2's
-  `token_type_ids`: `x_t`'s type again);
+- a decode step `[x_t, x̂_{t+1}]` gets them extended by one more position for the speculated token, which gets
+  what transformers would give the position after `x_t` (GPT-2's `token_type_ids`: `x_t`'s type again);
 - after each sampled token `advance()` extends them by its position.
 
 What the dual path cannot serve is refused before any work (`refusals.py`). `DualStep` without `ModelInputs` (the

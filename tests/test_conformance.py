@@ -78,6 +78,14 @@ def tiny_llava(seed: int = 0):
     return LlavaForConditionalGeneration(config).eval()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: one thread avoids spin-waiting on a shared machine
+    yield
+    torch.set_num_threads(threads)
+
+
 ARCHITECTURES = {"llama": tiny_llama, "qwen2-mqa": tiny_qwen2_mqa, "gemma3": tiny_gemma3, "gpt2": tiny_gpt2}
 VISION_LANGUAGE = {"gemma3-vlm": (tiny_gemma3_vlm, 4), "llava": (tiny_llava, 16)}  # builder, image tokens
 
@@ -404,6 +412,15 @@ def test_refused_before_any_work(refused, monkeypatch):
             m.generate(ids, max_new_tokens=3, **kwargs, **extra)
         assert cache.get_seq_length() == 0 and cache.requests == 0
     assert threading.active_count() == threads and live_host_bytes() == host
+
+
+def test_layer_types_other_than_full_and_sliding_are_refused_when_the_cache_is_built():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(num_hidden_layers=2, layer_types=["full_attention", "linear_attention"])
+    name = "layer types other than full and sliding-window attention"
+    with pytest.raises(ValueError, match=re.escape(f"['linear_attention'] — the dual cache does not serve {name}")):
+        DualDecoderCache(config, **FULL)
 
 
 def test_every_mode_but_greedy_and_sampling_is_refused():
