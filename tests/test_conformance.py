@@ -130,7 +130,7 @@ def assert_same(default, dual) -> None:
             assert not isinstance(a, tuple) or len(a) == len(b), field
             for x, y in pairs:
                 assert x.shape == y.shape, field
-                torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4, msg=field)
+                torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5, msg=field)
 
 
 def flags(which: str) -> dict:
@@ -378,28 +378,26 @@ class ReadsOutputs:
         return model_kwargs
 
 
-REFUSAL_CASES = {  # name in REFUSED: (model, generate() kwargs)
-    "beam_search": ("llama", {"num_beams": 2}),
-    "beam_sample": ("llama", {"num_beams": 2, "do_sample": True}),
-    "assisted_generation": ("llama", {"prompt_lookup_num_tokens": 2}),
-    "output_attentions": ("llama", {"output_attentions": True, "return_dict_in_generate": True}),
-    "use_cache=False": ("llama", {"use_cache": False}),
-    "synced_gpus": ("llama", {"synced_gpus": True}),
-    "position_ids of another shape than (batch, input length)": (
-        "llama", {"position_ids": torch.arange(28).expand(3, 2, 28)}),
-    "prefill-only model inputs over several prefill chunks": ("gemma3-vlm", {}),
-    "model inputs updated from the model's outputs": ("llama", {}),
+REFUSAL_CASES = {  # name in REFUSED: generate() kwargs (None: an image prompt over two prefill chunks)
+    "beam_search": {"num_beams": 2},
+    "beam_sample": {"num_beams": 2, "do_sample": True},
+    "assisted_generation": {"prompt_lookup_num_tokens": 2},
+    "output_attentions": {"output_attentions": True, "return_dict_in_generate": True},
+    "use_cache=False": {"use_cache": False},
+    "synced_gpus": {"synced_gpus": True},
+    "position_ids of another shape than (batch, input length)": {"position_ids": torch.arange(28).expand(3, 2, 28)},
+    "model inputs updated from the model's outputs": {},
+    "prefill-only model inputs over several prefill chunks": None,
 }
 
 
-@pytest.mark.parametrize("refused", REFUSAL_CASES)
-def test_refused_before_any_work(refused, monkeypatch):
+@pytest.mark.parametrize("name, refused", [(name, refused) for refused, kwargs in REFUSAL_CASES.items()
+                                           for name in (VISION_LANGUAGE if kwargs is None else ARCHITECTURES)])
+def test_refused_before_any_work(name, refused, monkeypatch):
     """Refused with the `ValueError` of `REFUSED[refused]`, before any forward on the cache and with no thread or
     host memory left behind."""
-    name, kwargs = REFUSAL_CASES[refused]
-    m = model(name)
-    ids = prompt(16)
-    if name == "gemma3-vlm":
+    m, kwargs, ids = model(name), REFUSAL_CASES[refused], prompt(16)
+    if kwargs is None:  # 20 text + the image's tokens, in chunks of 16
         ids, pixels, extra = image_prompt(name, 16)
         kwargs = {"pixel_values": pixels, **extra}
     if refused == "model inputs updated from the model's outputs":
