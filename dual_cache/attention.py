@@ -15,6 +15,7 @@ import torch
 
 from .layer import DualLayer
 from .kernels import sparse_decode_attention
+from .refusals import refuse
 
 
 def dual_attention(
@@ -55,7 +56,7 @@ def dual_attention(
     if not isinstance(layer, DualLayer):
         return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if dropout:
-        raise ValueError("The dual cache does not support attention dropout; call model.eval() before generate().")
+        raise refuse("attention dropout or attention sinks", f"Attention dropout {dropout}")
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     if not layer.decoding:
         keys, values = layer.prefill_kv(key, value)

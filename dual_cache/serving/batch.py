@@ -173,8 +173,8 @@ class DualBatch:
         with torch.inference_mode():
             self.mask = torch.cat([self.mask, self.mask.new_ones(len(rows), 1)], dim=1)
             step_mask = torch.cat([self.mask, self.mask.new_ones(len(rows), step.tokens_per_forward - 1)], dim=1)
-            step_logits, spec_logits = step.forward(cache, real, speculated, [row.length - 1 for row in rows],
-                                                    step_mask, live, hit)
+            step_logits, spec_logits, _ = step.forward(cache, real, speculated, [row.length - 1 for row in rows],
+                                                       step_mask, live, hit)
             logits = to_host(step_logits if spec_logits is None else torch.stack([step_logits, spec_logits], 1))
         hits = steps = 0
         for i, row in enumerate(rows):
