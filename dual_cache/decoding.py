@@ -2,7 +2,9 @@
 token through all of `generate()`'s logits processors and stopping criteria, slot 1's queries select the next
 step's KV entries and its logits give the next speculated token. With `miss_repair`, the sequences whose speculated
 token missed are marked before the next forward, whose layers re-select their entries with the real token's query;
-the sequences that hit are re-selected only in the layers where the real query drifted (`repair_drift`).
+the sequences that hit are re-selected only in the layers where the real query drifted (`repair_drift`). Tokens are
+picked by `sampling.StepSampler`: under sampling the speculated slot's guess is drawn with the noise that will draw
+the next real token (coupled sampling, `coupled_sampling`).
 
 `dual_sample` has the signature of `GenerationMixin._sample`; `integration.py` routes `generate()` here when the
 cache is a `DualDecoderCache`. Every forward's model inputs are built as transformers builds them, from all of
@@ -25,8 +27,9 @@ from .cache import DualDecoderCache
 from .compat import check_model_serves_dual
 from .model_inputs import CACHE_KWARGS, ModelInputs, forward_inputs, input_positions
 from .refusals import refuse
+from .sampling import StepSampler
 from .step import DualStep, cache_kwarg_name
-from .streams import to_host_list
+from .streams import to_device, to_host_list
 
 logger = logging.get_logger(__name__)
 
@@ -75,7 +78,7 @@ def dual_sample(
     scores = () if (return_dict and generation_config.output_scores) else None
     raw_logits = () if (return_dict and generation_config.output_logits) else None
     hidden_states = () if (return_dict and generation_config.output_hidden_states) else None
-    do_sample = generation_config.do_sample
+    sampler = StepSampler(generation_config.do_sample, config.coupled_sampling)
 
     embeds = model_kwargs.get("inputs_embeds")
     prompt = input_ids if embeds is None else embeds
@@ -141,16 +144,16 @@ def dual_sample(
                         raw_logits += (step_logits,)
                     if hidden_states is not None:
                         hidden_states += (step_hidden,)
-                if do_sample:
-                    next_tokens = torch.multinomial(torch.softmax(next_scores, dim=-1), num_samples=1).squeeze(1)
-                else:
-                    next_tokens = next_scores.argmax(dim=-1)
+                next_tokens = sampler.real(next_scores)
                 if has_eos_stopping_criteria:
                     next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
+                # the model's guess for the token after the speculated one, from the speculated slot's scores on the
+                # sequence extended by it (coupled sampling: drawn with the noise of the next real token)
+                chained = next_tokens if spec_logits is None else sampler.speculated(logits_processor(
+                    torch.cat([input_ids, to_device(speculated, device)[:, None]], dim=-1), spec_logits))
                 input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
                 inputs.advance()
                 unfinished = unfinished & ~stopping_criteria(input_ids, scores)
-                chained = next_tokens if spec_logits is None else spec_logits.argmax(dim=-1)
                 # the step's one read from the device: the sampled tokens, which sequences go on, the model's guess
                 tokens, still, guesses = to_host_list(torch.stack([next_tokens, unfinished.long(), chained]))
                 if speculated is not None:

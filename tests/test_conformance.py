@@ -31,7 +31,8 @@ from dual_cache.refusals import REFUSED
 from tests.conftest import tiny_gemma3, tiny_llama, tiny_qwen2_mqa
 
 ROOT = Path(__file__).resolve().parents[1]
-FULL = {"budget": 4096, "n_sink": 4, "window": 8, "prefill_chunk_size": 16}  # chunked prefill: 2-3 chunks here
+# chunked prefill: 2-3 chunks here; the default cache's random draws (multinomial), so a seed gives its tokens
+FULL = {"budget": 4096, "n_sink": 4, "window": 8, "prefill_chunk_size": 16, "coupled_sampling": False}
 NEW = 6  # new tokens per generate()
 OUTPUT_FLAGS = ("output_scores", "output_logits", "output_hidden_states")
 

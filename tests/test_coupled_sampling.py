@@ -92,3 +92,35 @@ def test_greedy_and_uncoupled_sampling_are_what_transformers_does():
     expected = torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1)
     torch.manual_seed(5)
     assert torch.equal(StepSampler(do_sample=True, coupled=False).real(scores), expected)
+
+
+def _third_token_fit(monkeypatch=None) -> float:
+    """p-value of the third generated token of 1000 sampled rows (coupled sampling, full budget, temperature 0.6,
+    top-k 20: its noise was drawn with the second step's speculated token) against the processed softmax of the
+    model's logits after each row's own first two tokens."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama(seed=31)
+    with torch.no_grad():  # random weights give nearly flat distributions; sharpen them so temperature matters
+        model.lm_head.weight.mul_(12.0)
+    ids = torch.randint(3, 90, (1, 40), generator=torch.Generator().manual_seed(32)).expand(1000, -1)
+    torch.manual_seed(33)
+    out = model.generate(ids, max_new_tokens=3, do_sample=True, temperature=0.6, top_k=20, top_p=None,
+                         cache_implementation="dual", cache_config={"budget": 4096, "retrieval_threads": 0})
+    with torch.no_grad():
+        logits = model(out[:, :-1]).logits[:, -1]
+    warp = LogitsProcessorList([TemperatureLogitsWarper(0.6), TopKLogitsWarper(20)])
+    probs = torch.softmax(warp(out[:, :-1], logits), dim=-1)
+    observed = torch.bincount(out[:, -1], minlength=probs.shape[1])
+    return chi_square_p(observed, probs.sum(0))
+
+
+def test_generate_with_coupled_sampling_draws_exact_samples(monkeypatch):
+    """End to end through `generate()`: the tokens drawn with noise shared with a speculated token follow the
+    processed distribution; a sampler that applies the temperature twice is caught (the test's power)."""
+    assert _third_token_fit() > 1e-4
+    original = StepSampler.real
+    monkeypatch.setattr(StepSampler, "real", lambda self, scores: original(self, scores / 0.6))
+    assert _third_token_fit() < 1e-6
