@@ -4,8 +4,8 @@ sink + local window + the current selection on the device (docs/design.md §2).
 Each full-attention layer is a `DualLayer` (`layer.py`); sliding-window layers (e.g. Gemma 3) keep their own window
 on the device with transformers' `DynamicSlidingWindowLayer`. The cache knows nothing of generation: the decode loop
 tells it when a request begins (`begin_request`), when its prompt is stored (`end_prefill`), which sequences each
-step repairs (`begin_step`) and when the request ends (`end_request`); the attention function asks it for a layer's
-decode segments (`decode_segments`). Data flows one way: the cache hands its layers what they need (at construction,
+step repairs (`begin_step`, which returns the step's plan, `call.DualCall`, that the forward hands the attention of
+each layer) and when the request ends (`end_request`). Data flows one way: the cache hands its layers what they need (at construction,
 per request, per step); layers never refer back to it. Between requests the cache keeps its host stores and
 indexes and holds no thread and no device memory, so a later request can continue the same sequences.
 """
@@ -23,7 +23,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from .config import DualDecoderConfig
 from .host_memory import HostMemory, HostMemoryError, available_host_bytes  # noqa: F401  (public re-exports)
 from .host_store import HostKVStore, planned_capacity
-from .kernels import KVSegment
+from .call import DualCall
 from .layer import DualLayer
 from .repair import StepRows
 from .layer_types import SLIDING_ATTENTION, resolve_layer_types
@@ -89,7 +89,6 @@ class DualDecoderCache(Cache):
         self.host_memory = HostMemory(self.dual_config.max_host_bytes)
         self.schedule: TransferSchedule | None = None  # the running request's
         self.max_cache_len = max_cache_len
-        self.step_rows = StepRows()
         self.spec_hits = 0
         self.spec_steps = 0
         self.drift_repairs = 0
@@ -289,7 +288,6 @@ class DualDecoderCache(Cache):
         self.sequences.set_prompt(valid, batch_size, input_tokens)
         self._request_tokens = tokens
         self.requests += 1
-        self.step_rows = StepRows()
         self._ensure_schedule(device)
         for layer in self.dual_layers:
             layer.begin_request(self.schedule, tokens, reserve=reserve)
@@ -355,18 +353,20 @@ class DualDecoderCache(Cache):
         for layer in self.dual_layers:
             layer.start_decoding()
 
-    def begin_step(self, rows: StepRows) -> None:
-        """The sequences the next forward re-selects with the real token's query (`miss_repair`), decided on the
-        host before the step (`repair.RepairPolicy.rows`)."""
-        self.step_rows = dataclasses.replace(rows, agree=self.shard.any_rank) if self.shard.sharded else rows
+    def prefill_call(self) -> DualCall:
+        """The plan a prefill forward hands the layers' attention (`dual_cache=`): this cache's layers."""
+        return DualCall(self.layers)
 
-    def decode_segments(self, layer_idx: int, query: torch.Tensor, scaling: float,
-                        softcap: float | None = None) -> list[KVSegment]:
-        """The segments layer `layer_idx` attends to in the running decode step (`DualLayer.decode_segments` with
-        this step's rows); counts drift repairs."""
-        segments, drifted = self.layers[layer_idx].decode_segments(query, scaling, self.step_rows, softcap)
-        self.drift_repairs += drifted
-        return segments
+    def begin_step(self, rows: StepRows) -> DualCall:
+        """The plan of the next decode forward, to pass as its `dual_cache` argument: this cache's layers and the
+        sequences the step re-selects with the real token's query (`miss_repair`), decided on the host before the
+        step (`repair.RepairPolicy.rows`); under tensor parallelism with the drift flags agreed across ranks."""
+        return DualCall(self.layers, dataclasses.replace(rows, agree=self.shard.any_rank) if self.shard.sharded
+                        else rows)
+
+    def end_step(self, call: DualCall) -> None:
+        """Add up what a decode forward's attention reported (`call.drift_repairs`)."""
+        self.drift_repairs += call.drift_repairs
 
     def record_speculation(self, hits: int, steps: int) -> None:
         """Add speculation outcomes: `hits` of `steps` speculated tokens equalled the real next token."""
@@ -452,7 +452,6 @@ class DualDecoderCache(Cache):
                 sequences[:, :stored].to("cpu", copy=True)
             self._decoding_device_bytes = self._device_bytes()
         schedule, self.schedule = self.schedule, None
-        self.step_rows = StepRows()
         try:
             if schedule is not None:
                 try:

@@ -119,7 +119,7 @@ def dual_sample(
                 chunk_inputs = inputs.prefill(prompt[:, start:end], end,
                                               None if attention_mask is None else attention_mask[:, :end],
                                               positions[:, start:end], cache)
-                outputs = model(**chunk_inputs, **forward_inputs(cache, cache_arg, 1))
+                outputs = model(**chunk_inputs, **forward_inputs(cache, cache_arg, 1, cache.prefill_call()))
                 if hidden_states is not None:
                     prefill_hidden.append(outputs.hidden_states)
                 cache.crop(0)  # sliding-window layers drop what falls out of their window

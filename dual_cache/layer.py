@@ -15,30 +15,11 @@ from .config import DualDecoderConfig
 from .host_memory import HostMemory
 from .host_store import HostKVStore
 from .kernels import KVSegment
-from .repair import StepRows
+from .repair import StepRows, rows_to_repair
 from .rerank import rerank_valid
 from .schedule import TransferSchedule
-from .streams import to_host_list
 from .selectors import SELECTORS, Candidates, Selector
 from .sequences import SequenceState
-
-
-def query_drift(query: torch.Tensor, chooser: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """Relative distance between a token's query and the query that chose its entries, per sequence.
-
-    Args:
-        query: `(B, H_q, D)` the real token's query at one layer (any float dtype, any device).
-        chooser: `(B, H_q, D)` the query that selected the entries it attends to (the speculated token's).
-        kv_heads: `H_kv`; the query heads of one KV head (its GQA group) are compared as one `G·D` vector.
-
-    Returns:
-        `(B,)` float32 on `query`'s device: the largest over KV heads of `‖q − q̂‖₂ / ‖q‖₂` (0 for equal queries;
-        huge or inf for a zero query with a non-zero `chooser`).
-    """
-    batch = query.shape[0]
-    real = query.float().reshape(batch, kv_heads, -1)
-    diff = (real - chooser.float().reshape(batch, kv_heads, -1)).norm(dim=-1)
-    return (diff / real.norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)).amax(dim=-1)
 
 
 class DualLayer(CacheLayerMixin):
@@ -363,7 +344,8 @@ class DualLayer(CacheLayerMixin):
                 self.submit_selection(query[:, :, 0], committed=n - q)
             selection = self.schedule.acquire(self.layer_idx)
             if selector.repairable and not selector.selects_everything(n - q - self.config.window):
-                repair, drift_only = self._rows_to_repair(query[:, :, 0], rows)
+                repair, drift_only = rows_to_repair(query[:, :, 0], self.selecting_query, rows,
+                                                    self.config.repair_drift, self.host.shape_prefix[1])
                 if repair:
                     self.repair_selection(query[:, :, 0], n - q, repair, rows.batch, drift_only)
                 drifted = int(bool(drift_only))
@@ -377,22 +359,6 @@ class DualLayer(CacheLayerMixin):
         ring_pos, ring_valid = self.sequences.ring_view(n, q, self.config.window, self.ring_size, self.device)
         segments.append(KVSegment(self.ring_keys, self.ring_values, ring_pos, ring_valid))
         return segments, drifted
-
-    def _rows_to_repair(self, real_query: torch.Tensor, rows: StepRows) -> tuple[list[int], list[int]]:
-        """The sequences whose entries this layer re-selects with `real_query` `(B, H_q, D)`: `rows.repair`, plus
-        the `rows.check` sequences whose query drifted from the one that chose the entries (`repair_drift`; one
-        device→host read of a `(B,)` flag, only when there are such rows). Returns `(repair, drifted)`: ascending
-        indices, and those of them added for drift."""
-        threshold = self.config.repair_drift
-        if not rows.check or threshold is None or self.selecting_query is None:
-            return list(rows.repair), []
-        chooser = self.selecting_query.to(real_query.device, non_blocking=True)
-        flags = query_drift(real_query, chooser, self.host.shape_prefix[1]) >= threshold
-        if rows.agree is not None:  # tensor parallelism: this rank holds some of the KV heads
-            flags = rows.agree(flags)
-        far = to_host_list(flags)
-        drifted = [i for i in rows.check if far[i]]
-        return sorted(set(rows.repair) | set(drifted)), drifted
 
     def release(self) -> None:
         """The running step's attention at this layer is queued; its selection slot may be reused."""

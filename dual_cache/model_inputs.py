@@ -38,10 +38,11 @@ PREFILL_ONLY = getattr(generation_utils, "MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREF
 TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids", "moe_mm_token_type_ids")  # per-position model inputs
 
 
-def forward_inputs(cache, cache_arg: str, logits_to_keep: int) -> dict[str, Any]:
-    """The keyword arguments every dual forward carries: the cache as the model's cache argument (`cache_arg`) and as
-    `dual_cache` (which routes the call's attention to it: `routing.py`), `use_cache=True` and `logits_to_keep`."""
-    return {cache_arg: cache, "dual_cache": cache, "use_cache": True, "logits_to_keep": logits_to_keep}
+def forward_inputs(cache, cache_arg: str, logits_to_keep: int, call) -> dict[str, Any]:
+    """The keyword arguments every dual forward carries: the cache as the model's cache argument (`cache_arg`), the
+    forward's plan as `dual_cache` (`call.DualCall`: it routes the call's attention to the dual cache, `routing.py`),
+    `use_cache=True` and `logits_to_keep`."""
+    return {cache_arg: cache, "dual_cache": call, "use_cache": True, "logits_to_keep": logits_to_keep}
 
 
 def input_positions(model_kwargs: dict, attention_mask: torch.Tensor | None, batch: int, length: int,

@@ -107,14 +107,15 @@ class DualStep:
             `StepOutput`: both slots' logits and, when asked for, the real token's hidden states.
         """
         q = self.tokens_per_forward
-        cache.begin_step(self.repair.rows(live, hit))
+        call = cache.begin_step(self.repair.rows(live, hit))  # the step's plan, handed to every layer's attention
         tokens = [[r, s] for r, s in zip(real, speculated)] if q == 2 else [[r] for r in real]
         position_ids = [[p + i for i in range(q)] for p in positions]
         model_inputs = {"input_ids": to_device(tokens, self.device), "attention_mask": mask,
                         "position_ids": to_device(position_ids, self.device)}
         if inputs is not None:
             model_inputs = inputs.step(**model_inputs, cache=cache)
-        outputs = self.model(**model_inputs, **forward_inputs(cache, self.cache_arg, q))
+        outputs = self.model(**model_inputs, **forward_inputs(cache, self.cache_arg, q, call))
+        cache.end_step(call)
         if q == 2:
             cache.crop(-1)  # only the real token's K/V are kept
         logits = outputs.logits.float()

@@ -94,7 +94,7 @@ def test_schedule_repair_replaces_only_the_missed_rows():
 # --- drift repair: hit steps whose real query drifted from the speculated query that chose the entries ----------
 
 def test_query_drift_matches_a_per_group_loop():
-    from dual_cache.layer import query_drift
+    from dual_cache.repair import query_drift
 
     generator = torch.Generator().manual_seed(21)
     batch, kv_heads, group, dim = 3, 2, 4, 8

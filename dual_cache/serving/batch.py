@@ -52,7 +52,7 @@ class DualBatch:
                  positions: torch.Tensor, keep: int):
         return self.model(input_ids=tokens.to(self.device), attention_mask=None if mask is None else
                           mask.to(self.device), position_ids=positions.to(self.device), use_cache=True,
-                          logits_to_keep=keep, dual_cache=cache, **{self.cache_arg: cache})
+                          logits_to_keep=keep, dual_cache=cache.prefill_call(), **{self.cache_arg: cache})
 
     # --- prefill (one request, on its own cache) -----------------------------------------------------------
     def prefill_chunk(self, row: Row) -> str:

@@ -6,7 +6,7 @@ is repaired (the worst case) and `miss_repair=False` never is (the pipeline alon
 times that middle on any weights: each decode step, a seeded random `miss_rate` fraction of the live sequences is
 treated as missed (repaired in every layer, synchronously, as a real miss would be), the others as hit.
 
-How: the decode loop reports each step's rows through `DualDecoderCache.begin_step(repair, check)`; this
+How: the decode loop reports each step's rows through `DualDecoderCache.begin_step(rows)`, which returns the step's plan; this
 subclass only redraws that split, so the decode loop, the schedule and the repairs themselves run unchanged. The
 first decode step (`check` is None: the prompt's last position chose its entries) is repaired for every sequence,
 as in the real loop. Drift checks on forced hits are skipped (`check` rows are not passed on): with random weights every
@@ -51,16 +51,15 @@ class ForcedMissCache(DualDecoderCache):
         self.forced_misses = 0  # (step, sequence) pairs marked missed after the first step
         self.forced_rows = 0  # live (step, sequence) pairs after the first step
 
-    def begin_step(self, rows: StepRows) -> None:
+    def begin_step(self, rows: StepRows):
         """Replace the step's missed / hit split by a random one with `miss_rate` misses among the live rows.
 
         Args: as `DualDecoderCache.begin_step`.
         """
         if rows.first:  # first decode step: every live sequence is repaired, as in the real loop
-            super().begin_step(rows)
-            return
+            return super().begin_step(rows)
         draws = [self._draws.random() for _ in range(rows.batch)]
         forced = tuple(i for i in rows.live if draws[i] < self.miss_rate)
         self.forced_misses += len(forced)
         self.forced_rows += len(rows.live)
-        super().begin_step(StepRows(forced, (), rows.live, rows.batch))
+        return super().begin_step(StepRows(forced, (), rows.live, rows.batch))
