@@ -17,9 +17,9 @@ width: read n beside it (20 of 20 correct still allows a true rate near 84%).
 
 from __future__ import annotations
 
+import json
 import os
 from collections import defaultdict
-import json
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -88,13 +88,12 @@ def _cell(scores: list[np.ndarray], diffs: list[np.ndarray] | None, rng: np.rand
     return Cell(score, low, high, n, diff, diff_low, diff_high)
 
 
-def _per_sample(units: dict[tuple, float], keep=None) -> np.ndarray:
-    """`{(sample, sample seed): value}` → each sample's mean over its seeds (only the units in `keep` when given),
-    samples in the order they first appear (greedy: one unit per sample, the values themselves)."""
+def _per_sample(units: dict[tuple, float]) -> np.ndarray:
+    """`{(sample, sample seed): value}` → each sample's mean over its seeds, samples in the order they first appear
+    (greedy: one unit per sample, the values themselves)."""
     grouped: dict = {}
-    for (sample, seed), value in units.items():
-        if keep is None or (sample, seed) in keep:
-            grouped.setdefault(sample, []).append(value)
+    for (sample, _), value in units.items():
+        grouped.setdefault(sample, []).append(value)
     return np.array([float(np.mean(v)) if len(v) > 1 else v[0] for v in grouped.values()])
 
 
