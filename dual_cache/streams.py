@@ -246,8 +246,10 @@ class SimulatedStreams:
         self._queue.put(("copy", dst, src, self._random.random() * self.max_delay_s))
 
     def close(self) -> None:
-        """Run what is queued, stop the copy thread; re-raises an error a copy raised."""
+        """Run what is queued, stop the copy thread (a host wait, as `CudaStreams.close`'s synchronize); re-raises an
+        error a copy raised."""
         if self._thread.is_alive():
+            count_host_wait("copy stream drained")
             self._queue.put(None)
             self._thread.join()
         if self._error is not None:
