@@ -151,10 +151,13 @@ class DualDecoderCache(Cache):
         sliding = DynamicSlidingWindowLayer(sliding_window=window)
         sliding.activate_past_recording()  # keeps the speculated token until crop(-1) removes it
         if layer.host is not None and layer.host.length:
-            layer.host.wait_written()
             stored = layer.host.length
-            keys, values = layer.host.read(max(0, stored - (window - 1)), stored)
-            keys, values = keys.to(layer.device, copy=True), values.to(layer.device, copy=True)
+            first = max(0, stored - (window - 1))
+            batch, kv_heads = layer.host.shape_prefix
+            keys = torch.empty(batch, kv_heads, stored - first, layer.host.head_dim, dtype=layer.host.dtype,
+                               device=layer.device)
+            values = torch.empty_like(keys)
+            layer.host.read_into(first, stored, keys, values)
             sliding.lazy_initialization(keys[:, :, :0], values[:, :, :0])
             sliding.keys, sliding.values, sliding.cumulative_length = keys, values, stored
         freed = layer.host_bytes
