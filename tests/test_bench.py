@@ -186,6 +186,7 @@ def test_llama8b_shape_without_weights():
     (["--methods", "dual-forced-miss", "--forced-miss-rate", "1.5"], "--forced-miss-rate"),
     (["--methods", "dual-forced-miss", "--forced-miss-rate", "0.2", "--dual-options", '{"miss_repair": false}'],
      "miss_repair"),
+    (["--no-max-batch"], "--no-max-batch"),
 ])
 def test_bad_grids_fail_before_any_model_loads(argv, message, monkeypatch, capsys):
     if "cuda" in argv and torch.cuda.is_available():
@@ -210,6 +211,29 @@ def test_cli_bench_subcommand_runs_on_the_tiny_model(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| dual-none k=16 | 40 | 1 |" in printed
     assert (out / "cells.jsonl").exists() and (out / "table.md").exists()
+
+
+def test_summary_only_with_a_host_limit_and_no_search_writes_one_file(tmp_path, capsys, monkeypatch):
+    """The device script's latency stage: the grid alone, each cell within the host limit given (not 85% of what
+    happens to be available), one file written."""
+    limits = []
+    run_cell = bench.run_cell
+
+    def spy(*args, **kwargs):
+        limits.append(kwargs["host_limit_bytes"])
+        return run_cell(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_cell", spy)
+    out = tmp_path / "run"
+    assert bench.main(["--model", "tiny", "--device", "cpu", "--methods", "dual-none", "--contexts", "40",
+                       "--batches", "1", "2", "--budgets", "16", "--new-tokens", "4", "--warmup-steps", "1",
+                       "--repeats", "1", "--host-budget-gib", "3", "--no-max-batch", "--summary-only",
+                       "--out", str(out)]) == 0
+    assert sorted(path.name for path in out.iterdir()) == ["summary.json"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [cell["batch"] for cell in summary["cells"]] == [1, 2] and summary["max_batch"] == []
+    assert limits and set(limits) == {3 * 2**30}
+    assert "| dual-none k=16 | 40 | 2 |" in capsys.readouterr().out  # the table goes to the log
 
 
 @pytest.mark.parametrize("shape", [(1, 24), (2, 24), (1, 3, 24), (2, 4, 24), (9, 24)])
