@@ -27,7 +27,9 @@ of the runs with `<field>_min` / `<field>_max` beside it, `eval/spread.py`) it r
 - `host_bytes_per_request`: KV bytes in host memory per sequence (dual host store; offloaded: the whole cache);
 - `bytes_copied_per_step`: host→device bytes per decode step for the whole batch (dual: selections;
   offloaded: every layer is prefetched once per step, so the whole cache at its final size; dense: 0);
-- `overlap_ratio`, `wait_seconds`: the dual pipeline's telemetry (`cache.stats()`), NaN where absent;
+- `overlap_ratio`, `wait_seconds`: the dual pipeline's telemetry (`cache.stats()`), NaN where absent; on CUDA
+  `idle_copy_fraction` and `idle_host_fraction`, the shares of the device's step time it idled waiting for selection
+  copies and without work while the launch thread waited on host selection (`overlap_ratio` is 1 − their sum);
 - `spec_hit_rate`: speculated tokens equal to the real next token / speculated tokens (dual only);
 - `repaired_fraction`: decode steps in which miss repair redid any selection (a miss, or a drifted query on a hit:
   `repair_drift`) / decode steps (dual only; `miss_repair`); `forced_miss_rate`: `dual-forced-miss` only.
@@ -66,7 +68,8 @@ from ..outputs import default_out
 from .cpu_linear import gemm_linears
 
 
-TIMED = ("prefill_s", "decode_tokens_per_s", "ms_per_step", "overlap_ratio", "wait_seconds")  # vary between runs
+TIMED = ("prefill_s", "decode_tokens_per_s", "ms_per_step", "overlap_ratio", "idle_copy_fraction", "idle_host_fraction",
+         "wait_seconds")  # vary between runs
 
 
 @dataclass
