@@ -249,9 +249,9 @@ class SimulatedStreams:
         """Run what is queued, stop the copy thread (a host wait, as `CudaStreams.close`'s synchronize); re-raises an
         error a copy raised."""
         if self._thread.is_alive():
-            count_host_wait("copy stream drained")
             self._queue.put(None)
             self._thread.join()
+            count_host_wait("copy stream drained")  # counted once stopped: a strict counter raising leaks no thread
         if self._error is not None:
             error, self._error = self._error, None
             raise error

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter
 
 import pytest
@@ -103,3 +104,4 @@ def test_the_stand_in_catches_a_strict_region_left_on_through_the_end_of_the_req
         model.generate(ids, max_new_tokens=6, do_sample=False, stopping_criteria=StoppingCriteriaList(
             [FromTheThirdStepOn()]), cache=DualDecoderCache(model.config, **options, miss_repair=False,
                                                              retrieval_threads=2))
+    assert not any(t.name.startswith(("dual-simulated", "dual-retriever")) for t in threading.enumerate())
