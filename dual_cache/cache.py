@@ -27,13 +27,14 @@ from .call import DualCall
 from .layer import DualLayer
 from .repair import StepRows
 from .layer_types import SLIDING_ATTENTION, resolve_layer_types
-from .schedule import TransferSchedule
+from .schedule import TransferSchedule, overlap_ratio
 from .selectors import SELECTORS
 from .sequences import SequenceState
 from .tensor_parallel import TensorShard, shard_of_model_or_config, whole_model
 
 SCHEDULE_COUNTERS = ("steps", "bytes_copied", "retrieval_seconds", "copy_seconds", "wait_seconds", "repairs",
-                     "repaired_steps", "repair_seconds", "device_wait_seconds", "device_step_seconds")
+                     "repaired_steps", "repair_seconds", "device_wait_seconds", "device_starved_seconds",
+                     "device_step_seconds")
 
 
 class DualDecoderCache(Cache):
@@ -149,10 +150,13 @@ class DualDecoderCache(Cache):
         sliding = DynamicSlidingWindowLayer(sliding_window=window)
         sliding.activate_past_recording()  # keeps the speculated token until crop(-1) removes it
         if layer.host is not None and layer.host.length:
-            layer.host.wait_written()
             stored = layer.host.length
-            keys, values = layer.host.read(max(0, stored - (window - 1)), stored)
-            keys, values = keys.to(layer.device, copy=True), values.to(layer.device, copy=True)
+            first = max(0, stored - (window - 1))
+            batch, kv_heads = layer.host.shape_prefix
+            keys = torch.empty(batch, kv_heads, stored - first, layer.host.head_dim, dtype=layer.host.dtype,
+                               device=layer.device)
+            values = torch.empty_like(keys)
+            layer.host.read_into(first, stored, keys, values)
             sliding.lazy_initialization(keys[:, :, :0], values[:, :, :0])
             sliding.keys, sliding.values, sliding.cumulative_length = keys, values, stored
         freed = layer.host_bytes
@@ -527,12 +531,15 @@ class DualDecoderCache(Cache):
             seq_length: tokens stored; steps: decode forward passes; requests: requests begun;
             retrieval_seconds, copy_seconds: host time spent selecting + gathering, and issuing copies;
             wait_seconds: time the launching thread waited for selections (all of it on the synchronous path);
-            device_wait_seconds, device_step_seconds: on CUDA (device clock: events; 0 elsewhere), the compute
-                stream's time spent waiting for selection copies, and its time from one step's first layer to the
-                next's, over the finished requests;
-            overlap_ratio: on CUDA `1 − device_wait / device_step` (the share of the device's step time not spent
-                waiting for the host's copies); elsewhere `1 − wait / (retrieval + copy)` (nan before the first
-                decode step);
+            device_wait_seconds, device_starved_seconds, device_step_seconds: on CUDA (device clock: timing
+                events; under `simulated_streams()` the simulated one; 0 on a CPU device), over the finished
+                requests: the compute stream's time waiting for selection copies (an event wait); its time with no
+                work queued because the launch thread was waiting on host selection (a retrieval job not finished
+                when its layer acquires, a synchronous or miss-repair job); and its time from one step's first
+                layer to the next's. The device's idle time for selections is the first two together;
+            overlap_ratio: on CUDA `1 − (device_wait + device_starved) / device_step` (the share of the device's
+                step time it was not idle for selections); elsewhere `1 − wait / (retrieval + copy)` (nan before
+                the first decode step);
             repairs, repaired_steps, repair_seconds: (step, layer) selections redone by miss repair (misses and
                 drift), the decode steps in which any was, and the time they took;
             drift_repairs: those of the `repairs` made for drifted queries on hit steps (`repair_drift`);
@@ -553,11 +560,6 @@ class DualDecoderCache(Cache):
             for name in SCHEDULE_COUNTERS:
                 counters[name] += getattr(self.schedule, name)
         device = self._device_bytes() if self.schedule is not None else self._decoding_device_bytes
-        busy = counters["retrieval_seconds"] + counters["copy_seconds"]
-        if counters["device_step_seconds"] > 0:  # a device clock: the compute stream's own waits
-            overlap = max(0.0, 1.0 - counters["device_wait_seconds"] / counters["device_step_seconds"])
-        else:
-            overlap = float("nan") if busy == 0 else max(0.0, 1.0 - counters["wait_seconds"] / busy)
         return {
             "device_bytes": device,
             "host_bytes": host,
@@ -567,7 +569,7 @@ class DualDecoderCache(Cache):
             "seq_length": self.get_seq_length(),
             "requests": self.requests,
             **counters,
-            "overlap_ratio": overlap,
+            "overlap_ratio": overlap_ratio(counters),
             "drift_repairs": self.drift_repairs,
             "tp_rank": self.shard.rank,
             "tp_size": self.shard.size,

@@ -215,25 +215,36 @@ class DualLayer(CacheLayerMixin):
         """Keys/values of every position so far, `(B, H_kv, n, D)` on the compute device, for dense prefill.
 
         The chunk's own `key_states`/`value_states` `(B, H_kv, q, D)` are used as they are; earlier positions are
-        read back from the host store (one layer at a time on the device).
+        read back from the host store (`HostKVStore.read_into`: contiguous blocks, asynchronous on CUDA).
+
+        What a chunked prefill moves: each prompt token goes to the host once (`HostKVStore.append`), linear in
+        the prompt; the earlier chunks come back to the device at every later chunk, `C · n(n-1)/2` tokens per
+        layer for n chunks of C tokens, quadratic in the prompt for a fixed chunk size. That re-read is the price
+        of holding one layer's K/V on the device at a time: transformers runs every layer for a chunk before the
+        next chunk starts, so keeping a layer's earlier K/V for its next chunk would keep every layer's — the
+        dense cache. Larger chunks re-read less (n − 1 times the prompt's K/V over n chunks, halved).
         """
         q = key_states.shape[2]
         past = self.host.length - q
         if past == 0:
             return key_states, value_states
-        self.host.wait_written()
-        keys, values = self.host.read(0, past)
-        keys = torch.cat([keys.to(self.device, non_blocking=True), key_states], dim=2)
-        values = torch.cat([values.to(self.device, non_blocking=True), value_states], dim=2)
+        batch, kv_heads, _, dim = key_states.shape
+        keys = torch.empty(batch, kv_heads, past + q, dim, dtype=key_states.dtype, device=self.device)
+        values = torch.empty_like(keys)
+        self.host.read_into(0, past, keys[:, :, :past], values[:, :, :past])
+        keys[:, :, past:] = key_states
+        values[:, :, past:] = value_states
         return keys, values
 
     def end_prefill_chunk(self, query: torch.Tensor, scaling: float) -> None:
         """A prefill chunk was stored: keep its last position's query `(B, H_q, D)` (it selects the first decode
-        step) and extend the selector's host index over the prompt so far."""
+        step) and extend the selector's host index over the prompt so far (after the chunk's keys have reached
+        host memory)."""
         self.next_query = query.detach().to("cpu", torch.float32)
         self.next_attended = None  # the prompt's last token chose: its own top entries continue (`Selector.job`)
         self.scaling = scaling
         if self.selector is not None:
+            self.host.wait_written()
             batch, length, start = self.host.shape_prefix[0], self.host.length, self.host.shared_length
             self.selector.extend(length, self.sequences.first_real_so_far(batch, length, start))
 
@@ -255,9 +266,11 @@ class DualLayer(CacheLayerMixin):
         self.ring_values = torch.zeros_like(self.ring_keys)
         first_pos = max(0, n - self.config.window)
         slots = torch.arange(first_pos, n, device=self.device) % self.ring_size
-        keys, values = self.host.read(first_pos, n)
-        self.ring_keys.index_copy_(2, slots, keys.to(self.device))
-        self.ring_values.index_copy_(2, slots, values.to(self.device))
+        keys = torch.empty(batch, kv_heads, n - first_pos, dim, dtype=self.dtype, device=self.device)
+        values = torch.empty_like(keys)
+        self.host.read_into(first_pos, n, keys, values)
+        self.ring_keys.index_copy_(2, slots, keys)
+        self.ring_values.index_copy_(2, slots, values)
         self.decoding = True
         if self.selector is not None and self.selector.prefetched:
             self.submit_selection(self.next_query, committed=n, attended=self.next_attended)

@@ -186,6 +186,7 @@ def test_llama8b_shape_without_weights():
     (["--methods", "dual-forced-miss", "--forced-miss-rate", "1.5"], "--forced-miss-rate"),
     (["--methods", "dual-forced-miss", "--forced-miss-rate", "0.2", "--dual-options", '{"miss_repair": false}'],
      "miss_repair"),
+    (["--no-max-batch"], "--no-max-batch"),
 ])
 def test_bad_grids_fail_before_any_model_loads(argv, message, monkeypatch, capsys):
     if "cuda" in argv and torch.cuda.is_available():
@@ -210,6 +211,31 @@ def test_cli_bench_subcommand_runs_on_the_tiny_model(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| dual-none k=16 | 40 | 1 |" in printed
     assert (out / "cells.jsonl").exists() and (out / "table.md").exists()
+
+
+def test_summary_only_with_a_host_limit_and_no_search_writes_one_file(tmp_path, capsys, monkeypatch):
+    """The device script's latency stage: the grid alone, each cell within the host limit given (not 85% of what
+    happens to be available), one file written."""
+    limits = []
+    run_cell = bench.run_cell
+
+    def spy(*args, **kwargs):
+        limits.append(kwargs["host_limit_bytes"])
+        return run_cell(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_cell", spy)
+    out = tmp_path / "run"
+    assert bench.main(["--model", "tiny", "--device", "cpu", "--methods", "dual-none", "--contexts", "40",
+                       "--batches", "1", "2", "--budgets", "16", "--new-tokens", "4", "--warmup-steps", "1",
+                       "--repeats", "1", "--host-budget-gib", "3", "--no-max-batch", "--summary-only",
+                       "--out", str(out)]) == 0
+    assert sorted(path.name for path in out.iterdir()) == ["summary.json"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [cell["batch"] for cell in summary["cells"]] == [1, 2] and summary["max_batch"] == []
+    assert limits and set(limits) == {3 * 2**30}
+    assert "| dual-none k=16 | 40 | 2 |" in capsys.readouterr().out  # the table goes to the log
+    assert bench_report.main([str(out / "summary.json")]) == 0  # and can be printed again from the summary
+    assert "| dual-none k=16 | 40 | 2 |" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("shape", [(1, 24), (2, 24), (1, 3, 24), (2, 4, 24), (9, 24)])
@@ -274,3 +300,23 @@ def test_keep_going_records_a_failed_cell_instead_of_raising(model, monkeypatch)
     assert row["error"] == "failed: TypeError: this cache cannot prefill in chunks"
     with pytest.raises(TypeError):
         run_cell(model, prompts, "dense", 40, 1, None, grid)
+
+
+def test_a_device_clock_gives_each_cell_its_idle_shares(model):
+    """With a device clock (CUDA; here `SimulatedStreams`'), a dual cell reports the share of the step the device
+    waited for copies and the share it had no work while the host selected; overlap is what is left. Without one
+    (a CPU device), NaN."""
+    from dual_cache.eval.throughput.bench_cell import run_cell
+    from dual_cache.eval.throughput.bench_models import PromptSource
+    from dual_cache.streams import simulated_streams
+
+    prompts = PromptSource(None, model.config.vocab_size, torch.device("cpu"))
+    grid = small_grid(dual_options={"retrieval_threads": 1})
+    with simulated_streams(max_delay_s=0.001):
+        row = run_cell(model, prompts, "dual-no-repair", 72, 1, 16, grid)
+    copy, host = row["idle_copy_fraction"], row["idle_host_fraction"]
+    assert 0 <= copy <= 1 and 0 <= host <= 1
+    assert row["overlap_ratio"] == pytest.approx(max(0.0, 1 - copy - host))
+    assert f"({copy:.2f} / {host:.2f})" in bench_report.cell_table([row])
+    plain = run_cell(model, prompts, "dual-no-repair", 72, 1, 16, grid)
+    assert math.isnan(plain["idle_copy_fraction"]) and math.isnan(plain["idle_host_fraction"])

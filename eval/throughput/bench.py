@@ -27,7 +27,9 @@ of the runs with `<field>_min` / `<field>_max` beside it, `eval/spread.py`) it r
 - `host_bytes_per_request`: KV bytes in host memory per sequence (dual host store; offloaded: the whole cache);
 - `bytes_copied_per_step`: host→device bytes per decode step for the whole batch (dual: selections;
   offloaded: every layer is prefetched once per step, so the whole cache at its final size; dense: 0);
-- `overlap_ratio`, `wait_seconds`: the dual pipeline's telemetry (`cache.stats()`), NaN where absent;
+- `overlap_ratio`, `wait_seconds`: the dual pipeline's telemetry (`cache.stats()`), NaN where absent; on CUDA
+  `idle_copy_fraction` and `idle_host_fraction`, the shares of the device's step time it idled waiting for selection
+  copies and without work while the launch thread waited on host selection (`overlap_ratio` is 1 − their sum);
 - `spec_hit_rate`: speculated tokens equal to the real next token / speculated tokens (dual only);
 - `repaired_fraction`: decode steps in which miss repair redid any selection (a miss, or a drifted query on a hit:
   `repair_drift`) / decode steps (dual only; `miss_repair`); `forced_miss_rate`: `dual-forced-miss` only.
@@ -66,7 +68,8 @@ from ..outputs import default_out
 from .cpu_linear import gemm_linears
 
 
-TIMED = ("prefill_s", "decode_tokens_per_s", "ms_per_step", "overlap_ratio", "wait_seconds")  # vary between runs
+TIMED = ("prefill_s", "decode_tokens_per_s", "ms_per_step", "overlap_ratio", "idle_copy_fraction", "idle_host_fraction",
+         "wait_seconds")  # vary between runs
 
 
 @dataclass
@@ -82,13 +85,15 @@ class BenchResult:
 def run_bench(model, tokenizer, grid: BenchGrid, limits: MemoryLimits | None = None, model_name: str = "",
               max_batch_cap: int = 256, max_cell_seconds: float | None = None, log: Callable[[str], None] = print,
               on_progress: Callable[[BenchResult], None] | None = None, keep_going: bool = False,
-              repeats: int = 1) -> BenchResult:
+              repeats: int = 1, max_batch: bool = True) -> BenchResult:
     """Measure every cell of `grid` on `model` (already loaded), with `limits` each method's max batch first.
 
     Args:
         tokenizer: None for random-weight models (random prompt ids).
-        limits: device cap and host memory for the max-batch search (a device cap on CUDA must already be applied,
-            `bench_capacity.apply_device_cap`); None skips it.
+        limits: device cap and host memory for the max-batch search and for every cell (a device cap on CUDA must
+            already be applied, `bench_capacity.apply_device_cap`); None: no search, each cell's host memory
+            limited to 85% of what is available when it starts.
+        max_batch: False measures the grid alone (each cell still within `limits`), without the search.
         max_batch_cap: largest batch the search considers. max_cell_seconds: see `find_max_batch`.
         log: where progress lines go (each finished cell's JSON too).
         on_progress: called with the result so far after each cell and each max-batch row (e.g. to write files,
@@ -111,11 +116,11 @@ def run_bench(model, tokenizer, grid: BenchGrid, limits: MemoryLimits | None = N
     linears = gemm_linears(model) if grid.cpu_linear == "gemm" else contextlib.nullcontext()
     with linears:
         return _run_bench(model, tokenizer, grid, limits, model_name, max_batch_cap, max_cell_seconds, log,
-                          on_progress or (lambda result: None), keep_going, repeats)
+                          on_progress or (lambda result: None), keep_going, repeats, max_batch)
 
 
 def _run_bench(model, tokenizer, grid, limits, model_name, max_batch_cap, max_cell_seconds, log, on_progress,
-               keep_going, repeats):
+               keep_going, repeats, max_batch):
     device = model.device
     skip = skipped_methods(grid, device)
     for method, reason in skip.items():
@@ -171,7 +176,7 @@ def _run_bench(model, tokenizer, grid, limits, model_name, max_batch_cap, max_ce
     warning = spread.load_warning(result.meta["load_average_max"])
     if warning:
         log(warning)
-    if limits is not None:  # method by method, so each one's max-batch row lands before the next method starts
+    if limits is not None and max_batch:  # method by method: each one's max-batch row lands before the next starts
         for context in grid.contexts:
             for method in grid.expanded_methods():
                 if method in skip:
@@ -207,16 +212,18 @@ def _jsonable(value):
 
 
 def write_result(result: BenchResult, out_dir: str, plots: bool = True, cells_jsonl: bool = True,
-                 log: Callable[[str], None] = print) -> dict:
+                 log: Callable[[str], None] = print, table: bool = True) -> dict:
     """Write `cells.jsonl` (one JSON object per cell; `summary.json` holds the same rows), `summary.json`,
-    `table.md` and the plots under `out_dir`.
+    `table.md` and the plots under `out_dir` (`summary.json` always, the others as asked).
 
     Returns `{kind: path}` of the files written.
     """
     from . import bench_report
 
     os.makedirs(out_dir, exist_ok=True)
-    paths = {"summary": os.path.join(out_dir, "summary.json"), "table": os.path.join(out_dir, "table.md")}
+    paths = {"summary": os.path.join(out_dir, "summary.json")}
+    if table:
+        paths["table"] = os.path.join(out_dir, "table.md")
     if cells_jsonl:
         paths["cells"] = os.path.join(out_dir, "cells.jsonl")
         with open(paths["cells"], "w", encoding="utf-8") as handle:
@@ -224,8 +231,9 @@ def write_result(result: BenchResult, out_dir: str, plots: bool = True, cells_js
                 handle.write(json.dumps(_jsonable(row)) + "\n")
     with open(paths["summary"], "w", encoding="utf-8") as handle:
         json.dump(_jsonable(asdict(result)), handle, indent=1)
-    with open(paths["table"], "w", encoding="utf-8") as handle:
-        handle.write(bench_report.render_markdown(result))
+    if table:
+        with open(paths["table"], "w", encoding="utf-8") as handle:
+            handle.write(bench_report.render_markdown(result))
     if plots:
         paths.update(bench_report.plot_all(result, out_dir, log=log))
     return paths
@@ -296,6 +304,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-plots", action="store_true", help="skip the matplotlib plots")
     parser.add_argument("--no-cells-jsonl", action="store_true",
                         help="skip cells.jsonl (summary.json holds the same rows; fewer files to bring back)")
+    parser.add_argument("--summary-only", action="store_true",
+                        help="write summary.json alone, after every cell (no cells.jsonl, table.md or plots; the "
+                             "tables are printed): one file to bring back")
+    parser.add_argument("--no-max-batch", action="store_true",
+                        help="with --device-budget-gib / --host-budget-gib: measure the --batches grid alone, "
+                             "each cell within those limits, without the max-batch search")
 
 
 def grid_from_args(args) -> BenchGrid:
@@ -309,7 +323,8 @@ def grid_from_args(args) -> BenchGrid:
 
 
 def limits_from_args(args, device: torch.device) -> MemoryLimits | None:
-    """The max-batch search's limits (None without `--device-budget-gib` / `--host-budget-gib`)."""
+    """The limits of the max-batch search and of every cell (None without `--device-budget-gib` /
+    `--host-budget-gib`)."""
     if args.device_budget_gib is None and args.host_budget_gib is None:
         return None
     host = args.host_budget_gib * GIB if args.host_budget_gib is not None else 0.9 * available_host_bytes()
@@ -342,6 +357,9 @@ def run_from_args(args) -> int:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}.")
         if args.repeats < 1:
             raise ValueError(f"--repeats must be >= 1, got {args.repeats}.")
+        if args.no_max_batch and args.device_budget_gib is None and args.host_budget_gib is None:
+            raise ValueError("--no-max-batch keeps the grid within --device-budget-gib / --host-budget-gib; give "
+                             "one of them (without them there is no max-batch search to skip).")
         if args.max_batch_cap < 1:
             raise ValueError(f"--max-batch-cap must be >= 1, got {args.max_batch_cap}.")
         if args.threads is not None and args.threads < 1:
@@ -362,16 +380,16 @@ def run_from_args(args) -> int:
     out_dir = args.out or default_out("bench", f"{device.type}-{os.path.basename(model_name)}")
     print(f"loading {model_name} on {device} ...", flush=True)
     model, tokenizer = load_bench_model(model_name, device)
+    files = {"cells_jsonl": not (args.no_cells_jsonl or args.summary_only), "table": not args.summary_only}
     result = run_bench(model, tokenizer, grid, limits=limits, model_name=model_name,
                        max_batch_cap=args.max_batch_cap, max_cell_seconds=args.max_cell_seconds,
-                       keep_going=args.keep_going, repeats=args.repeats,
-                       on_progress=lambda partial: write_result(partial, out_dir, plots=False,
-                                                                cells_jsonl=not args.no_cells_jsonl))
+                       keep_going=args.keep_going, repeats=args.repeats, max_batch=not args.no_max_batch,
+                       on_progress=lambda partial: write_result(partial, out_dir, plots=False, **files))
     from . import bench_report
 
     print()
     print(bench_report.render_markdown(result))
-    paths = write_result(result, out_dir, plots=not args.no_plots, cells_jsonl=not args.no_cells_jsonl)
+    paths = write_result(result, out_dir, plots=not (args.no_plots or args.summary_only), **files)
     print("wrote " + ", ".join(paths.values()))
     return 0
 

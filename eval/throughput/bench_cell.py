@@ -27,7 +27,8 @@ COLUMNS = (
     "prefill_s", "decode_tokens_per_s", "ms_per_step",
     "device_bytes_per_request", "cuda_peak_bytes_per_request", "cuda_decode_peak_bytes_per_request",
     "cuda_peak_total_bytes", "cuda_decode_peak_total_bytes", "host_bytes_per_request",
-    "dense_equivalent_bytes_per_request", "bytes_copied_per_step", "overlap_ratio", "wait_seconds",
+    "dense_equivalent_bytes_per_request", "bytes_copied_per_step", "overlap_ratio", "idle_copy_fraction",
+    "idle_host_fraction", "wait_seconds",
     "spec_hit_rate", "repaired_fraction", "forced_miss_rate", "threads", "error",
 )
 
@@ -196,7 +197,8 @@ def run_cell(model, prompts: PromptSource, method: str, context: int, batch: int
         host_bytes_per_request=acct["host_bytes"] / batch,
         dense_equivalent_bytes_per_request=acct["dense_equivalent_bytes"] / batch,
         bytes_copied_per_step=copied,
-        overlap_ratio=acct["overlap_ratio"], wait_seconds=acct["wait_seconds"],
+        overlap_ratio=acct["overlap_ratio"], idle_copy_fraction=acct["idle_copy_fraction"],
+        idle_host_fraction=acct["idle_host_fraction"], wait_seconds=acct["wait_seconds"],
         spec_hit_rate=(acct["spec_hits"] / acct["spec_steps"]) if acct["spec_steps"] else NAN,
         repaired_fraction=acct["repaired_fraction"],
     )
