@@ -20,8 +20,8 @@ def registered_config(method: str) -> dict[str, Any]:
 DUAL_METHODS = tuple(f"dual-{s}" for s in SPECULATORS)  # dual-self, dual-ngram, dual-none
 BASELINES = ("dense", "offloaded")
 LOWBIT = "dual-lowbit"  # dual-self with the 2-bit key index (`selector="lowbit"`)
-NO_REPAIR = "dual-no-repair"  # dual-self with `miss_repair=False`: the pipeline alone
-FORCED_MISS = "dual-forced-miss"  # dual-self whose repairs follow a forced miss rate (eval/throughput/forced_miss.py)
+NO_REPAIR = "dual-no-repair"  # dual-self attending to the speculated selection as it is: the paper's method
+FORCED_MISS = "dual-forced-miss"  # dual-self with synchronous repairs at a forced miss rate (forced_miss.py)
 ALL_METHODS = BASELINES + DUAL_METHODS + (NO_REPAIR, FORCED_MISS, LOWBIT, "quest")
 METHOD_ALIASES = {"dual": DUAL_METHODS, "all": BASELINES + DUAL_METHODS + (LOWBIT, "quest")}
 BUDGETED = DUAL_METHODS + (NO_REPAIR, FORCED_MISS, LOWBIT, "quest")  # cells vary with the retrieval budget
@@ -35,10 +35,12 @@ class BenchGrid:
 
     Attributes:
         methods: names from `ALL_METHODS`, run in the order given, or the aliases `"dual"` (every speculator) and
-            `"all"`. `dual-<speculator>`: that speculator with the default selector (`DualDecoderConfig().selector`)
-            and the default miss repair; `dual-no-repair`: `dual-self` with `miss_repair=False`;
-            `dual-forced-miss`: `dual-self` whose miss repairs hit a `forced_miss_rate` fraction of the live
-            sequences each step (benchmark only, `eval/throughput/forced_miss.py`); `dual-lowbit`: `dual-self` with
+            `"all"`. `dual-<speculator>`: that speculator with the library defaults (the default selector, the
+            real token's re-rank of `fetch_factor × budget` fetched entries and their next positions on the device);
+            `dual-no-repair`: `dual-self` attending to the speculated selection as it is (`fetch_factor` 1, no next
+            positions, no repair: the paper's method); `dual-forced-miss`: `dual-self` with synchronous miss
+            repair (`fetch_factor` 1) of a `forced_miss_rate` fraction of the live sequences each step (benchmark
+            only, `eval/throughput/forced_miss.py`); `dual-lowbit`: `dual-self` with
             `selector="lowbit"`; `quest`: the Quest baseline.
         batches: sequences per `generate()` call.
         contexts: prompt lengths (tokens; the embedded model's needle prompts meet them within a few tokens).
