@@ -16,7 +16,7 @@ from statistics import mean
 from ..outputs import mib
 from .sampling import settings_text
 
-METHOD_ORDER = ("dense", "dual", "dual-no-repair", "dual-none", "oracle", "quest", "streaming")
+METHOD_ORDER = ("dense", "dual", "dual-sync-repair", "dual-no-repair", "dual-none", "oracle", "quest", "streaming")
 
 
 def _method_sort_key(key: tuple) -> tuple:

@@ -31,8 +31,8 @@ INTERVAL_RESAMPLES = 10_000
 SEED = 0
 TASK_ORDER = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
               "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2")
-METHOD_ORDER = ("dense", "dual", "oracle", "quest", "streaming", "kvpress-snapkv", "kvpress-expected_attention",
-                "kvpress-streaming")
+METHOD_ORDER = ("dense", "dual", "dual-sync-repair", "oracle", "quest", "streaming", "kvpress-snapkv",
+                "kvpress-expected_attention", "kvpress-streaming")
 
 
 @dataclass(frozen=True)
