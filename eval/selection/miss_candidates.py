@@ -45,6 +45,7 @@ from ...help_format import DefaultsHelpFormatter
 from ...models import model_display_name
 from ...retrieval import group_attention_mass
 from ...speculators import SelfSpeculator
+from ...step import cache_kwarg_name
 from ..outputs import default_out, write_rows_and_table
 from ..quality.needle import format_chat, make_needle_prompt
 from ..quality.needle_sweep import load_tool_model, parse_seeds, threads_arg
@@ -188,13 +189,14 @@ def decode_and_score(model, ids: list[int], args, scores: Scores) -> None:
     inputs = LayerInputs(model)
     speculator = SelfSpeculator()
     cache = DynamicCache(config=model.config)
+    cache_arg = cache_kwarg_name(model)
     text = model.config.get_text_config()
     full = [i for i, kind in enumerate(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
             if kind == "full_attention" and i >= args.skip_layers]
     try:
         with torch.no_grad():
             prompt = torch.tensor([ids])
-            logits = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            logits = model(prompt, use_cache=True, logits_to_keep=1, **{cache_arg: cache}).logits
             _recorded = {}
             # the first step's entries: chosen by the prompt's last query (recorded by one more call's keys below)
             position = len(ids)
@@ -207,7 +209,7 @@ def decode_and_score(model, ids: list[int], args, scores: Scores) -> None:
             for step in range(args.steps):
                 _recorded = {}
                 inputs.hidden.clear()
-                out = model(torch.tensor([[real_token, guess]]), past_key_values=cache, use_cache=True,
+                out = model(torch.tensor([[real_token, guess]]), use_cache=True, **{cache_arg: cache},
                             position_ids=torch.tensor([[position, position + 1]]), logits_to_keep=2)
                 cache.crop(-1)
                 real_queries = {layer: q[:, :, 0] for layer, (q, _, _) in _recorded.items()}
