@@ -13,11 +13,13 @@
 #   stage  share  what it must show
 #   2       40 s  correctness on CUDA with the default selector (eval/gpu_check.py): four PASS lines (full budget ==
 #                 dense, pipelined == synchronous, first-step selections == CPU, no host sync in a steady step)
-#   3a     120 s  max batch under a 24 GiB device cap at 32K: dense, offloaded, Quest, dual without miss repair, dual
-#                 at the forced miss rate $MISS: each one's max batch, the limit that bound, tokens/s, x best
-#                 baseline, and dual's GPU idle per step (waiting for copies + starved by host selection)
+#   3a     120 s  max batch under a 24 GiB device cap at 32K: dense, offloaded, Quest, dual (the library defaults:
+#                 misses re-ranked on the device, issue 57), dual without repair or re-rank (the paper's method):
+#                 each one's max batch, the limit that bound, tokens/s, x best baseline, and dual's GPU idle per step
+#                 (waiting for copies + starved by host selection)
 #   1a      50 s  the Triton kernel's CUDA tests (compiled kernel == torch reference): one PASSED line per test
-#   4       50 s  issue 14: 32K decode at batch 1 and 8, dense vs dual without repair: ms/step, overlap, idle parts
+#   4       50 s  issues 14 and 57: 32K decode at batch 1 and 8, dense vs dual (the defaults): ms/step, overlap,
+#                 idle parts, host syncs per step
 #   5       20 s  issue 27: host selection alone at 32K on this host's cores (lowbit and exact through the engine)
 #   1b      20 s  kernel vs torch reference, us per layer call
 #   3b       0 s  max batch at 128K: only with time left over; else the rerun (STAGES=3b TOTAL_S=200)
@@ -35,8 +37,7 @@
 # What comes back (7 files; 8 at most come back): $OUT/log.txt (every table and every verdict, as it comes),
 # $OUT/gpu_check.json (rewritten after each check), summary.json in $OUT/cap24-32k, $OUT/cap24-128k and
 # $OUT/latency-32k (rewritten after each cell; the log prints the table of a stage cut short), and
-# $OUT/host-retrieval-32k.json + .md (rewritten after each cell). Knobs (environment): MISS (forced miss rate,
-# default the embedded model's measured one), HOST_GIB (host memory for the KV, default 100), CAP_GIB (device cap,
+# $OUT/host-retrieval-32k.json + .md (rewritten after each cell). Knobs (environment): HOST_GIB (host memory for the KV, default 100), CAP_GIB (device cap,
 # default 24), TOTAL_S (seconds the stages share, default 300), STAGES (which of 2 3a 1a 4 5 1b 3b, default all),
 # RUN_DIR (the folder the stages run in; default a new empty one).
 #
@@ -52,7 +53,6 @@ set -u
 [ -f eval/device_run.sh ] || { echo "run from the repository root: bash eval/device_run.sh"; exit 2; }
 ROOT=$(pwd)
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-MISS=${MISS:-0.26}
 HOST_GIB=${HOST_GIB:-100}
 CAP_GIB=${CAP_GIB:-24}
 ORDER=(2 3a 1a 4 5 1b 3b)
@@ -154,16 +154,16 @@ bench_stage() {  # bench_stage ID NAME FOLDER BENCH-OPTIONS...: the benchmark, i
 
 # one run per cell (--repeats 1): the stages' shares were sized for it; bench's default is 3
 CAPPED=(--device-budget-gib "$CAP_GIB" --host-budget-gib "$HOST_GIB" --batches 1 --new-tokens "$NEW"
-        --warmup-steps "$WARM" --forced-miss-rate "$MISS" --max-cell-seconds "$CELL_S"
-        --methods dense dual-no-repair quest offloaded dual-forced-miss)
+        --warmup-steps "$WARM" --max-cell-seconds "$CELL_S"
+        --methods dense dual-self quest offloaded dual-no-repair)
 
 stage 2 "correctness on CUDA" $PY -m dual_cache.eval.gpu_check "${CHECK[@]}" --out "$OUT"
 bench_stage 3a "max batch at ${CAP_GIB} GiB, 32K" cap24-32k "${CAPPED[@]}" --contexts "$CTX32" \
     --prefill-chunk-size "$CHUNK"
 stage 1a "kernel tests on CUDA" $PY -m pytest -v -p no:cacheprovider "$ROOT/tests/test_kernel_triton.py" \
     -k "cuda and not without_a_gpu"
-bench_stage 4 "issue 14: 32K decode, batch 1 and 8" latency-32k --contexts "$CTX32" --batches 1 8 \
-    --new-tokens $((2 * NEW)) --warmup-steps $((WARM + 1)) --methods dense dual-no-repair \
+bench_stage 4 "issues 14 and 57: 32K decode, batch 1 and 8" latency-32k --contexts "$CTX32" --batches 1 8 \
+    --new-tokens $((2 * NEW)) --warmup-steps $((WARM + 1)) --methods dense dual-self \
     --host-budget-gib "$HOST_GIB" --no-max-batch --prefill-chunk-size "$CHUNK"
 stage 5 "host selection alone at 32K: lowbit and exact through the engine" \
     $PY -m dual_cache.eval.selection.bench_retrieval "${RETRIEVAL[@]}" --selectors lowbit exact \
