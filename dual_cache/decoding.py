@@ -147,10 +147,17 @@ def dual_sample(
                 next_tokens = sampler.real(next_scores)
                 if has_eos_stopping_criteria:
                     next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
-                # the model's guess for the token after the speculated one, from the speculated slot's scores on the
-                # sequence extended by it (coupled sampling: drawn with the noise of the next real token)
-                chained = next_tokens if spec_logits is None else sampler.speculated(logits_processor(
-                    torch.cat([input_ids, to_device(speculated, device)[:, None]], dim=-1), spec_logits))
+                # the model's guess for the token after the speculated one: the argmax of the speculated slot's logits,
+                # or under coupled sampling a draw with the noise of the next real token from its processed scores on
+                # the sequence extended by it (the processors run twice a step only then: a stateful one is safe
+                # under greedy decoding and with coupled_sampling=False)
+                if spec_logits is None:
+                    chained = next_tokens
+                elif sampler.coupled:
+                    chained = sampler.speculated(logits_processor(
+                        torch.cat([input_ids, to_device(speculated, device)[:, None]], dim=-1), spec_logits))
+                else:
+                    chained = sampler.speculated(spec_logits)
                 input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
                 inputs.advance()
                 unfinished = unfinished & ~stopping_criteria(input_ids, scores)

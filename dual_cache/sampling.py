@@ -14,8 +14,11 @@ does not attend to it).
 Noise is float64 (`-log(-log U)`, `U` uniform in `[0, 1)`: `U = 0` gives `-inf`, never `+inf`), from torch's global
 generator on the logits' device, so a seeded run is reproducible; it draws other random numbers than
 `torch.multinomial`, so `coupled=False` keeps the default cache's tokens for a seed (one `multinomial` per step,
-as `GenerationMixin._sample` draws). The speculated slot's scores go through the same logits processors, on the
-sequence extended by the speculated token (as transformers' assisted decoding scores its candidate positions).
+as `GenerationMixin._sample` draws). Under coupled sampling the speculated slot's scores go through the same logits
+processors, on the sequence extended by the speculated token (as transformers' assisted decoding scores its
+candidate positions), so the processors are called twice per step; otherwise (greedy, or `coupled=False`) the guess
+is the argmax of the speculated slot's raw logits and the processors are called once per step, as transformers
+calls them (a processor that keeps state between calls, like a forced-token schedule, is safe there).
 """
 
 from __future__ import annotations

@@ -121,11 +121,11 @@ def ruler_averages(root: str = "results") -> list[dict]:
             f"{label.replace('kvpress-', '')} {avg[label].score:.1f}" for label in table.methods
             if label in avg and label != "dense" and not label.startswith("dual")]
         duals = []
-        for label in table.methods:
-            if label.startswith("dual@") and label in avg:
+        for label in table.methods:  # the default ("dual@B": "@B") and named configurations ("sync-repair@B")
+            if label.startswith("dual") and "@" in label and label in avg:
                 cell = avg[label]
-                text = f"@{label.split('@')[1]} {cell.score:.1f}"
-                if label == "dual@256" and cell.diff is not None:
+                text = f"{label.removeprefix('dual').lstrip('-')} {cell.score:.1f}"
+                if label.endswith("@256") and cell.diff is not None:
                     text += f" ({cell.diff:+.1f} [{cell.diff_low:+.1f}, {cell.diff_high:+.1f}])"
                 duals.append(text)
         name = RULER_NAMES.get(table.model, table.model)

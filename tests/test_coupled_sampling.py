@@ -124,3 +124,30 @@ def test_generate_with_coupled_sampling_draws_exact_samples(monkeypatch):
     original = StepSampler.real
     monkeypatch.setattr(StepSampler, "real", lambda self, scores: original(self, scores / 0.6))
     assert _third_token_fit() < 1e-6
+
+
+def test_the_logits_processors_run_once_a_step_unless_coupled_sampling_scores_the_guess():
+    """A processor that keeps state between calls (a forced-token schedule, a call counter) sees one call per step
+    under greedy decoding and uncoupled sampling, as under the default cache; coupled sampling also scores the
+    speculated slot (two calls a step after the first)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from tests.conftest import tiny_llama
+
+    class Counting(LogitsProcessor):
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, input_ids, scores):
+            self.calls += 1
+            return scores
+
+    model = tiny_llama(seed=41)
+    ids = torch.randint(3, 90, (2, 30), generator=torch.Generator().manual_seed(42))
+    config = {"budget": 4096, "retrieval_threads": 0}
+    for sample, coupled, calls in ((False, True, 6), (True, False, 6), (True, True, 11)):
+        counting = Counting()
+        model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=sample, top_k=None, top_p=None,
+                       logits_processor=LogitsProcessorList([counting]), cache_implementation="dual",
+                       cache_config={**config, "coupled_sampling": coupled})
+        assert counting.calls == calls, (sample, coupled)

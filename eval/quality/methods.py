@@ -61,8 +61,8 @@ def cache_config(name: str, budget: int | None = None) -> dict[str, Any] | None:
     return {"budget": budget, **config} if budget is not None and "budget" not in config else dict(config)
 
 
-METHOD_NAMES = ("dense", "dual", "dual-no-repair", "dual-none", "dual-lowbit", "dual-exact", "oracle", "streaming",
-                "quest")  # what the evaluation harness runs
+METHOD_NAMES = ("dense", "dual", "dual-sync-repair", "dual-no-repair", "dual-none", "dual-lowbit", "dual-exact", "oracle",
+                "streaming", "quest")  # what the evaluation harness runs
 
 
 @dataclass(frozen=True)
