@@ -6,7 +6,8 @@ Run it as `dual-decoder bench ...` (see `bench_cli.py`) or `python -m dual_cache
 `bench_accounting.py` (cache bytes), `bench_capacity.py` (max-batch search), `bench_report.py` (tables, plots),
 `forced_miss.py` (the benchmark-only forced miss rate); this file runs a whole grid and holds the command line.
 
-Per cell (one `generate()` call of `batch` prompts of `context` tokens, `new_tokens` new tokens each; run `--repeats`
+Per cell (one `generate()` call of `batch` prompts of `context` tokens (`--prompts`: needle questions or natural
+text, one seed per row), `new_tokens` new tokens each; run `--repeats`
 times, round by round with the methods of a context and batch in a rotated order, the timings reported as the median
 of the runs with `<field>_min` / `<field>_max` beside it, `eval/spread.py`) it records:
 
@@ -30,9 +31,16 @@ of the runs with `<field>_min` / `<field>_max` beside it, `eval/spread.py`) it r
 - `overlap_ratio`, `wait_seconds`: the dual pipeline's telemetry (`cache.stats()`), NaN where absent; on CUDA
   `idle_copy_fraction` and `idle_host_fraction`, the shares of the device's step time it idled waiting for selection
   copies and without work while the launch thread waited on host selection (`overlap_ratio` is 1 − their sum);
+- `sync_points_per_step`: the launch thread's synchronization points per decode step after the warm-up steps (mean;
+  `dual_cache.sync_points.SyncCounter` around `generate()`, read at each generated token), and `sync_points_by_op`
+  the same by operation; NaN for `offloaded` and with counting off (`BenchGrid.count_sync_points`);
+- `blocked_ms_per_step`: milliseconds per decode step after the warm-up steps (mean) the launch thread waited for
+  host selection (the dual cache's `wait_seconds`: retrieval it ran in line or waited for, a CPU device's copies,
+  synchronous miss repairs; 0 for dense, which never selects; NaN for `offloaded`; `launch_thread.py` defines it);
 - `spec_hit_rate`: speculated tokens equal to the real next token / speculated tokens (dual only);
 - `repaired_fraction`: decode steps in which miss repair redid any selection (a miss, or a drifted query on a hit:
-  `repair_drift`) / decode steps (dual only; `miss_repair`); `forced_miss_rate`: `dual-forced-miss` only.
+  `repair_drift`) / decode steps (dual only; `miss_repair`); `forced_miss_rate`: `dual-forced-miss` only;
+- `prompts`, `temperature`, `top_p`: the prompts (`needle` or `natural`) and the decoding (temperature 0: greedy).
 
 Max batch (`--device-budget-gib` and / or `--host-budget-gib`): for each method, context and budget, the largest
 batch that fits the device cap and the host memory, found and measured by `bench_capacity.find_max_batch`; its
@@ -62,14 +70,14 @@ from ...cache import available_host_bytes
 from .bench_capacity import GIB, MemoryLimits, apply_device_cap, find_max_batch
 from .. import spread
 from .bench_cell import run_cell
-from .bench_grid import ALL_METHODS, CPU_LINEARS, BenchGrid, skipped_methods
+from .bench_grid import ALL_METHODS, CPU_LINEARS, PROMPT_KINDS, BenchGrid, skipped_methods
 from .bench_models import NAMED_MODELS, PromptSource, load_bench_model, weight_bytes
 from ..outputs import default_out
 from .cpu_linear import gemm_linears
 
 
 TIMED = ("prefill_s", "decode_tokens_per_s", "ms_per_step", "overlap_ratio", "idle_copy_fraction", "idle_host_fraction",
-         "wait_seconds")  # vary between runs
+         "wait_seconds", "blocked_ms_per_step", "sync_points_per_step")  # vary between runs
 
 
 @dataclass
@@ -126,7 +134,7 @@ def _run_bench(model, tokenizer, grid, limits, model_name, max_batch_cap, max_ce
     for method, reason in skip.items():
         log(f"skip {method}: {reason}")
     vocab = model.config.get_text_config(decoder=True).vocab_size
-    prompts = PromptSource(tokenizer, vocab, device)
+    prompts = PromptSource(tokenizer, vocab, device, kind=grid.prompts)
     weights = weight_bytes(model)
     result = BenchResult(meta={
         "model": model_name, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
@@ -260,8 +268,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="where the model runs (auto: CUDA when available)")
     parser.add_argument("--methods", nargs="+", default=["all"],
-                        help=f"from {', '.join(ALL_METHODS)}, run in this order; aliases: dual (every speculator), "
-                             "all (default: every method but dual-no-repair and dual-forced-miss)")
+                        help=f"from {', '.join(ALL_METHODS)}, run in this order (dual-self: the library defaults, "
+                             "the registry's dual; dual-sync-repair: the default before issue 57); aliases: dual "
+                             "(every speculator), all (default: every method but dual-no-repair, dual-sync-repair "
+                             "and dual-forced-miss)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1], help="sequences per generate() call")
     parser.add_argument("--contexts", type=int, nargs="+", default=None,
                         help="prompt tokens (default: 2048 4096 8192 on CPU, 32768 131072 on CUDA)")
@@ -272,7 +282,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-sink", type=int, default=4, help="dual sink tokens")
     parser.add_argument("--window", type=int, default=64, help="dual local window (tokens)")
     parser.add_argument("--prefill-chunk-size", type=int, default=8192, help="prompt tokens per prefill forward")
-    parser.add_argument("--sample", action="store_true", help="sample at temperature 1 instead of greedy")
+    parser.add_argument("--prompts", default="needle", choices=PROMPT_KINDS,
+                        help="needle: a word-needle question over the Python reference per row; natural: a passage of "
+                             "the RULER essay haystack per row, asked to be continued (eval/quality/natural_text.py); "
+                             "rows use seeds 0, 1, ... (random ids for random-weight models, which refuse natural)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="sample at this temperature (top-k off; the torch generator seeded with 0 per cell); "
+                             "default greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass kept when sampling (1: off)")
+    parser.add_argument("--sample", action="store_true", help="the same as --temperature 1")
+    parser.add_argument("--no-sync-points", action="store_true",
+                        help="do not count the launch thread's synchronization points (counted by default, during "
+                             "the timed runs: a TorchFunctionMode that adds Python work to every torch call, so "
+                             "compare timings with it off)")
     parser.add_argument("--dual-options", type=_json_object, default={},
                         help='further DualDecoderConfig fields as JSON, e.g. \'{"early_layers": 0}\'')
     parser.add_argument("--forced-miss-rate", type=float, default=None,
@@ -317,9 +339,24 @@ def grid_from_args(args) -> BenchGrid:
     return BenchGrid(
         methods=tuple(args.methods), batches=tuple(args.batches), contexts=tuple(args.contexts),
         budgets=tuple(args.budgets), new_tokens=args.new_tokens, warmup_steps=args.warmup_steps,
-        n_sink=args.n_sink, window=args.window, prefill_chunk_size=args.prefill_chunk_size, do_sample=args.sample,
+        n_sink=args.n_sink, window=args.window, prefill_chunk_size=args.prefill_chunk_size,
+        temperature=temperature_from_args(args), top_p=args.top_p, prompts=args.prompts,
         dual_options=dict(args.dual_options), forced_miss_rate=args.forced_miss_rate, cpu_linear=args.cpu_linear,
+        count_sync_points=not args.no_sync_points,
     )
+
+
+def temperature_from_args(args) -> float:
+    """The sampling temperature of `--temperature` / `--sample` (0: greedy).
+
+    Raises:
+        ValueError: both given with different temperatures.
+    """
+    if args.sample:
+        if args.temperature is not None and args.temperature != 1.0:
+            raise ValueError(f"--sample means --temperature 1; drop it to sample at {args.temperature}.")
+        return 1.0
+    return 0.0 if args.temperature is None else args.temperature
 
 
 def limits_from_args(args, device: torch.device) -> MemoryLimits | None:
@@ -348,7 +385,10 @@ def run_from_args(args) -> int:
         if model_name == "embedded" or (model_name not in NAMED_MODELS):
             small = [c for c in args.contexts if c < 128]
             if small:
-                raise ValueError(f"--contexts {small}: needle prompts need at least 128 tokens.")
+                raise ValueError(f"--contexts {small}: needle and natural-text prompts need at least 128 tokens.")
+        elif args.prompts == "natural":
+            raise ValueError(f"--prompts natural needs a model with a tokenizer; --model {model_name} is random "
+                             "weights (random prompt ids): use --model embedded or a path / Hub id.")
         grid = grid_from_args(args)
         grid.validate()
         for name in ("device_budget_gib", "host_budget_gib", "max_cell_seconds"):
