@@ -13,8 +13,10 @@ from typing import Callable
 
 import torch
 
+from .call import DualCall
 from .layer import DualLayer
 from .kernels import sparse_decode_attention
+from .refusals import refuse
 
 
 def dual_attention(
@@ -27,7 +29,7 @@ def dual_attention(
     scaling: float | None = None,
     *,
     own: Callable,
-    cache,
+    call: DualCall,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention for one layer (transformers `AttentionInterface` signature).
@@ -41,7 +43,7 @@ def dual_attention(
             tiers).
         own: the model's own attention function (same signature); computes prefill over the layer's keys and
             values, and every layer that is not a `DualLayer` (sliding-window layers).
-        cache: the `DualDecoderCache` of the call.
+        call: the forward's plan (`call.DualCall`: the cache's layers and, in a decode step, its rows).
         kwargs: the model's attention options; `softcap` (logit soft-capping, Gemma 2) is applied in decode too.
 
     Returns:
@@ -51,11 +53,11 @@ def dual_attention(
     Raises:
         ValueError: for attention dropout, which decode does not implement (`compat` refuses it before any work).
     """
-    layer = cache.layers[module.layer_idx]
+    layer = call.layers[module.layer_idx]
     if not isinstance(layer, DualLayer):
         return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if dropout:
-        raise ValueError("The dual cache does not support attention dropout; call model.eval() before generate().")
+        raise refuse("attention dropout or attention sinks", f"Attention dropout {dropout}")
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     if not layer.decoding:
         keys, values = layer.prefill_kv(key, value)
@@ -63,7 +65,8 @@ def dual_attention(
         return own(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
 
     q_len = query.shape[2]
-    segments = cache.decode_segments(module.layer_idx, query, scaling)
+    segments, drifted = layer.decode_segments(query, scaling, call.rows, kwargs.get("softcap"))
+    call.drift_repairs += drifted
     n = layer.get_seq_length()
     query_positions = torch.arange(n - q_len, n, device=query.device)
     out = sparse_decode_attention(

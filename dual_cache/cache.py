@@ -4,8 +4,8 @@ sink + local window + the current selection on the device (docs/design.md §2).
 Each full-attention layer is a `DualLayer` (`layer.py`); sliding-window layers (e.g. Gemma 3) keep their own window
 on the device with transformers' `DynamicSlidingWindowLayer`. The cache knows nothing of generation: the decode loop
 tells it when a request begins (`begin_request`), when its prompt is stored (`end_prefill`), which sequences each
-step repairs (`begin_step`) and when the request ends (`end_request`); the attention function asks it for a layer's
-decode segments (`decode_segments`). Data flows one way: the cache hands its layers what they need (at construction,
+step repairs (`begin_step`, which returns the step's plan, `call.DualCall`, that the forward hands the attention of
+each layer) and when the request ends (`end_request`). Data flows one way: the cache hands its layers what they need (at construction,
 per request, per step); layers never refer back to it. Between requests the cache keeps its host stores and
 indexes and holds no thread and no device memory, so a later request can continue the same sequences.
 """
@@ -23,17 +23,18 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from .config import DualDecoderConfig
 from .host_memory import HostMemory, HostMemoryError, available_host_bytes  # noqa: F401  (public re-exports)
 from .host_store import HostKVStore, planned_capacity
-from .kernels import KVSegment
+from .call import DualCall
 from .layer import DualLayer
 from .repair import StepRows
 from .layer_types import SLIDING_ATTENTION, resolve_layer_types
-from .schedule import TransferSchedule
+from .schedule import TransferSchedule, overlap_ratio
 from .selectors import SELECTORS
 from .sequences import SequenceState
 from .tensor_parallel import TensorShard, shard_of_model_or_config, whole_model
 
 SCHEDULE_COUNTERS = ("steps", "bytes_copied", "retrieval_seconds", "copy_seconds", "wait_seconds", "repairs",
-                     "repaired_steps", "repair_seconds", "device_wait_seconds", "device_step_seconds")
+                     "repaired_steps", "repair_seconds", "device_wait_seconds", "device_starved_seconds",
+                     "device_step_seconds")
 
 
 class DualDecoderCache(Cache):
@@ -89,7 +90,6 @@ class DualDecoderCache(Cache):
         self.host_memory = HostMemory(self.dual_config.max_host_bytes)
         self.schedule: TransferSchedule | None = None  # the running request's
         self.max_cache_len = max_cache_len
-        self.step_rows = StepRows()
         self.spec_hits = 0
         self.spec_steps = 0
         self.drift_repairs = 0
@@ -150,10 +150,13 @@ class DualDecoderCache(Cache):
         sliding = DynamicSlidingWindowLayer(sliding_window=window)
         sliding.activate_past_recording()  # keeps the speculated token until crop(-1) removes it
         if layer.host is not None and layer.host.length:
-            layer.host.wait_written()
             stored = layer.host.length
-            keys, values = layer.host.read(max(0, stored - (window - 1)), stored)
-            keys, values = keys.to(layer.device, copy=True), values.to(layer.device, copy=True)
+            first = max(0, stored - (window - 1))
+            batch, kv_heads = layer.host.shape_prefix
+            keys = torch.empty(batch, kv_heads, stored - first, layer.host.head_dim, dtype=layer.host.dtype,
+                               device=layer.device)
+            values = torch.empty_like(keys)
+            layer.host.read_into(first, stored, keys, values)
             sliding.lazy_initialization(keys[:, :, :0], values[:, :, :0])
             sliding.keys, sliding.values, sliding.cumulative_length = keys, values, stored
         freed = layer.host_bytes
@@ -289,7 +292,6 @@ class DualDecoderCache(Cache):
         self.sequences.set_prompt(valid, batch_size, input_tokens)
         self._request_tokens = tokens
         self.requests += 1
-        self.step_rows = StepRows()
         self._ensure_schedule(device)
         for layer in self.dual_layers:
             layer.begin_request(self.schedule, tokens, reserve=reserve)
@@ -355,17 +357,20 @@ class DualDecoderCache(Cache):
         for layer in self.dual_layers:
             layer.start_decoding()
 
-    def begin_step(self, rows: StepRows) -> None:
-        """The sequences the next forward re-selects with the real token's query (`miss_repair`), decided on the
-        host before the step (`repair.RepairPolicy.rows`)."""
-        self.step_rows = dataclasses.replace(rows, agree=self.shard.any_rank) if self.shard.sharded else rows
+    def prefill_call(self) -> DualCall:
+        """The plan a prefill forward hands the layers' attention (`dual_cache=`): this cache's layers."""
+        return DualCall(self.layers)
 
-    def decode_segments(self, layer_idx: int, query: torch.Tensor, scaling: float) -> list[KVSegment]:
-        """The segments layer `layer_idx` attends to in the running decode step (`DualLayer.decode_segments` with
-        this step's rows); counts drift repairs."""
-        segments, drifted = self.layers[layer_idx].decode_segments(query, scaling, self.step_rows)
-        self.drift_repairs += drifted
-        return segments
+    def begin_step(self, rows: StepRows) -> DualCall:
+        """The plan of the next decode forward, to pass as its `dual_cache` argument: this cache's layers and the
+        sequences the step re-selects with the real token's query (`miss_repair`), decided on the host before the
+        step (`repair.RepairPolicy.rows`); under tensor parallelism with the drift flags agreed across ranks."""
+        return DualCall(self.layers, dataclasses.replace(rows, agree=self.shard.any_rank) if self.shard.sharded
+                        else rows)
+
+    def end_step(self, call: DualCall) -> None:
+        """Add up what a decode forward's attention reported (`call.drift_repairs`)."""
+        self.drift_repairs += call.drift_repairs
 
     def record_speculation(self, hits: int, steps: int) -> None:
         """Add speculation outcomes: `hits` of `steps` speculated tokens equalled the real next token."""
@@ -451,7 +456,6 @@ class DualDecoderCache(Cache):
                 sequences[:, :stored].to("cpu", copy=True)
             self._decoding_device_bytes = self._device_bytes()
         schedule, self.schedule = self.schedule, None
-        self.step_rows = StepRows()
         try:
             if schedule is not None:
                 try:
@@ -527,12 +531,15 @@ class DualDecoderCache(Cache):
             seq_length: tokens stored; steps: decode forward passes; requests: requests begun;
             retrieval_seconds, copy_seconds: host time spent selecting + gathering, and issuing copies;
             wait_seconds: time the launching thread waited for selections (all of it on the synchronous path);
-            device_wait_seconds, device_step_seconds: on CUDA (device clock: events; 0 elsewhere), the compute
-                stream's time spent waiting for selection copies, and its time from one step's first layer to the
-                next's, over the finished requests;
-            overlap_ratio: on CUDA `1 − device_wait / device_step` (the share of the device's step time not spent
-                waiting for the host's copies); elsewhere `1 − wait / (retrieval + copy)` (nan before the first
-                decode step);
+            device_wait_seconds, device_starved_seconds, device_step_seconds: on CUDA (device clock: timing
+                events; under `simulated_streams()` the simulated one; 0 on a CPU device), over the finished
+                requests: the compute stream's time waiting for selection copies (an event wait); its time with no
+                work queued because the launch thread was waiting on host selection (a retrieval job not finished
+                when its layer acquires, a synchronous or miss-repair job); and its time from one step's first
+                layer to the next's. The device's idle time for selections is the first two together;
+            overlap_ratio: on CUDA `1 − (device_wait + device_starved) / device_step` (the share of the device's
+                step time it was not idle for selections); elsewhere `1 − wait / (retrieval + copy)` (nan before
+                the first decode step);
             repairs, repaired_steps, repair_seconds: (step, layer) selections redone by miss repair (misses and
                 drift), the decode steps in which any was, and the time they took;
             drift_repairs: those of the `repairs` made for drifted queries on hit steps (`repair_drift`);
@@ -553,11 +560,6 @@ class DualDecoderCache(Cache):
             for name in SCHEDULE_COUNTERS:
                 counters[name] += getattr(self.schedule, name)
         device = self._device_bytes() if self.schedule is not None else self._decoding_device_bytes
-        busy = counters["retrieval_seconds"] + counters["copy_seconds"]
-        if counters["device_step_seconds"] > 0:  # a device clock: the compute stream's own waits
-            overlap = max(0.0, 1.0 - counters["device_wait_seconds"] / counters["device_step_seconds"])
-        else:
-            overlap = float("nan") if busy == 0 else max(0.0, 1.0 - counters["wait_seconds"] / busy)
         return {
             "device_bytes": device,
             "host_bytes": host,
@@ -567,7 +569,7 @@ class DualDecoderCache(Cache):
             "seq_length": self.get_seq_length(),
             "requests": self.requests,
             **counters,
-            "overlap_ratio": overlap,
+            "overlap_ratio": overlap_ratio(counters),
             "drift_repairs": self.drift_repairs,
             "tp_rank": self.shard.rank,
             "tp_size": self.shard.size,

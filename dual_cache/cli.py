@@ -106,7 +106,7 @@ def _drift_threshold(text: str) -> float | None:
 
 
 _FLAGS = {"budget": "--budget", "n_sink": "--n-sink", "window": "--window", "repair_drift": "--repair-drift",
-          "lowbit_factor": "--lowbit-factor", "lowbit_channels": "--lowbit-channels"}
+          "lowbit_factor": "--lowbit-factor", "lowbit_channels": "--lowbit-channels", "fetch_factor": "--fetch-factor"}
 
 
 def _json_fields(text: str) -> dict:
@@ -120,9 +120,8 @@ def _json_fields(text: str) -> dict:
 def _dual_config(args) -> DualDecoderConfig:
     """The run's `DualDecoderConfig`: `--cache-config`'s fields with the flags given on the command line applied,
     validated together; a `ValueError` names a flag (`--n-sink`) where the value came from one."""
-    changes = {field: getattr(args, field) for field in (*_FLAGS, "speculator", "selector") if hasattr(args, field)}
-    if hasattr(args, "no_miss_repair"):
-        changes["miss_repair"] = False
+    changes = {field: getattr(args, field) for field in (*_FLAGS, "speculator", "selector", "miss_repair")
+               if hasattr(args, field)}
     fields = {"prefill_progress": True, **(args.cache_config or {}), **changes}
     try:
         return DualDecoderConfig.from_dict(fields)
@@ -231,8 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--lowbit-channels", type=float, default=given,
                        help="lowbit: fraction of the key channels the 2-bit scan reads, in (0, 1] "
                             f"(default: {base.lowbit_channels})")
-        p.add_argument("--no-miss-repair", action="store_true", default=given,
-                       help="keep a mis-speculated step's prefetched entries (no synchronous re-selection)")
+        p.add_argument("--fetch-factor", type=int, default=given,
+                       help="entries fetched per step and KV head as a multiple of the budget; the real token's "
+                            f"query picks the budget among them on the device (default: {base.fetch_factor})")
+        p.add_argument("--miss-repair", action=argparse.BooleanOptionalAction, default=given,
+                       help="re-select a mis-speculated step's entries with the real token's query, synchronously "
+                            f"(the step waits for the host in each layer) (default: {'on' if base.miss_repair else 'off'})")
         p.add_argument("--repair-drift", type=_drift_threshold, default=given,
                        help="also re-select a layer's entries on a hit step when the real query drifted this far "
                             f"(relative L2) from the speculated one; 'off' disables (default: {base.repair_drift})")

@@ -19,6 +19,7 @@ from transformers import DynamicCache
 
 from .cache import DualDecoderCache
 from .layer import DualLayer
+from .refusals import refuse
 from .routing import SUPPORTED_IMPLEMENTATIONS, AttentionProbe
 
 _verified: "weakref.WeakKeyDictionary[torch.nn.Module, set]" = weakref.WeakKeyDictionary()
@@ -54,11 +55,8 @@ def check_model_serves_dual(model, cache: DualDecoderCache, cache_arg: str, prob
     """
     implementation = model.config._attn_implementation
     if implementation not in SUPPORTED_IMPLEMENTATIONS:
-        raise ValueError(
-            f"The dual cache reads the attention masks of {SUPPORTED_IMPLEMENTATIONS}, but this model uses "
-            f"attn_implementation={implementation!r}. Call model.set_attn_implementation('sdpa') (or load it with "
-            "attn_implementation='sdpa') before generate()."
-        )
+        raise refuse("attention implementations other than sdpa and eager",
+                     f"This model uses attn_implementation={implementation!r}")
     served = [i for i, layer in enumerate(cache.layers) if isinstance(layer, DualLayer)]
     key = (implementation, tuple(served))
     with _verified_lock:
@@ -70,7 +68,7 @@ def check_model_serves_dual(model, cache: DualDecoderCache, cache_arg: str, prob
     # the uncompiled forward: `model.compile()` acts in `__call__`, a compiled forward keeps the original
     forward = getattr(model.forward, "_torchdynamo_orig_callable", model.forward)
     try:
-        with torch.inference_mode():
+        with torch.no_grad():
             forward(**probe_input, attention_mask=ones, position_ids=ones - 1, use_cache=True, logits_to_keep=1,
                   dual_cache=probe, **{cache_arg: recorder})
     except Exception as error:
@@ -82,22 +80,16 @@ def check_model_serves_dual(model, cache: DualDecoderCache, cache_arg: str, prob
     name = type(model).__name__
     no_cache = [i for i in served if i not in recorder.updated]
     if no_cache:
-        raise ValueError(
-            f"{name} does not hand the cache to the attention of layers {no_cache}, so the dual cache cannot store "
-            "their keys and values. Use the default cache for this model."
-        )
+        raise refuse("decoder layers that do not hand the cache to attention",
+                     f"{name} does not hand the cache to the attention of layers {no_cache}")
     no_kwarg = [i for i in served if i not in probe.layers]
     if no_kwarg:
-        raise ValueError(
-            f"{name}'s decoder layers do not pass generate()'s keyword arguments on to the attention function "
-            f"(layers {no_kwarg} never received them), so the dual cache cannot serve their attention. Use the "
-            "default cache for this model."
-        )
+        raise refuse("decoder layers that do not pass generate()'s keyword arguments to attention",
+                     f"{name}'s decoder layers {no_kwarg} do not pass generate()'s keyword arguments on to the "
+                     "attention function")
     refused = {i: options for i, options in probe.unsupported.items() if i in served}
     if refused:
-        raise ValueError(
-            f"{name} asks its attention for options the dual cache does not implement ({refused}). Use the "
-            "default cache for this model."
-        )
+        raise refuse("attention dropout or attention sinks",
+                     f"{name} asks its attention for options the dual cache does not implement ({refused})")
     with _verified_lock:
         _verified.setdefault(model, set()).add(key)

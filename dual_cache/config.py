@@ -54,6 +54,22 @@ class DualDecoderConfig:
             `PromptLookupCandidateGenerator`), falling back to `"self"` where it finds no match. `"none"`: one
             token per forward, no speculation: each step uses the entries the previous real token's query chose
             (prefetched a step early, as a speculated query's).
+        fetch_factor: entries per KV head a prefetched selection fetches, as a multiple of the layer's budget: the
+            speculated token's query chooses `fetch_factor × budget` candidates a step early, and the real token's
+            query picks the `budget` it attends to among them on the device (`rerank.py`), so a wrong guess (and a
+            request's first step) never makes the step wait for the host. 1 fetches exactly the budget (the
+            speculated token's choice is attended as it is). Device bytes of the selection slots and host→device
+            bytes per step grow by this factor; the measured choice is in docs/design.md.
+        fetch_next: with a prefetched selector, also fetch, for each entry the real token attended in a step, the
+            entry at the next position (`budget` more slots): where a token continues a copy (a needle's digits),
+            its query needs the entry after the one the previous token attended, which a mis-speculated token's
+            query does not choose. The real query's re-rank picks among them too.
+        coupled_sampling: under sampling, draw the speculated token with the randomness that will draw the next
+            real token (Gumbel-max with the same noise on both slots' processed scores; `sampling.py`), so sampled
+            decoding guesses about as well as greedy decoding; every real token stays an exact sample of
+            `generate()`'s processed distribution. False draws the real token with `torch.multinomial` as
+            transformers' `_sample` does (the default cache's tokens for a seed, at full budget) and guesses the
+            argmax.
         miss_repair: when the real token differs from the speculated token that chose its step's entries (and on
             the first decode step, whose entries the prompt's last position chose), select that step's entries
             again with the real token's own query, synchronously, layer by layer (only for the sequences that
@@ -119,7 +135,10 @@ class DualDecoderConfig:
     layer_budgets: dict[int, int] = field(default_factory=dict)
     layers_in_flight: int = 2
     speculator: str = "self"
-    miss_repair: bool = True
+    fetch_factor: int = 2
+    fetch_next: bool = True
+    coupled_sampling: bool = True
+    miss_repair: bool = False
     repair_drift: float | None = 0.4
     drift_on_hit_steps: bool | None = None
     selector: str = "lowbit"
@@ -236,6 +255,7 @@ class DualDecoderConfig:
         _int("window", self.window, 1)
         _int("block_size", self.block_size, 1)
         _int("layers_in_flight", self.layers_in_flight, 1)
+        _int("fetch_factor", self.fetch_factor, 1)
         _int("early_layers", self.early_layers, 0)
         _int("early_layer_budget", self.early_layer_budget, 0)
         if self.retrieval_threads is not None:
@@ -278,6 +298,6 @@ class DualDecoderConfig:
         if self.drift_on_hit_steps is not None and not isinstance(self.drift_on_hit_steps, bool):
             raise ValueError(
                 f"`drift_on_hit_steps` must be True, False or None (auto), got {self.drift_on_hit_steps!r}.")
-        for name in ("prefill_progress", "record_timeline", "miss_repair"):
+        for name in ("prefill_progress", "record_timeline", "miss_repair", "fetch_next", "coupled_sampling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")

@@ -2,10 +2,14 @@
 token through all of `generate()`'s logits processors and stopping criteria, slot 1's queries select the next
 step's KV entries and its logits give the next speculated token. With `miss_repair`, the sequences whose speculated
 token missed are marked before the next forward, whose layers re-select their entries with the real token's query;
-the sequences that hit are re-selected only in the layers where the real query drifted (`repair_drift`).
+the sequences that hit are re-selected only in the layers where the real query drifted (`repair_drift`). Tokens are
+picked by `sampling.StepSampler`: under sampling the speculated slot's guess is drawn with the noise that will draw
+the next real token (coupled sampling, `coupled_sampling`).
 
 `dual_sample` has the signature of `GenerationMixin._sample`; `integration.py` routes `generate()` here when the
-cache is a `DualDecoderCache`. The step itself (speculation, repair decisions, the forward) is `step.DualStep`,
+cache is a `DualDecoderCache`. Every forward's model inputs are built as transformers builds them, from all of
+`generate()`'s model keyword arguments (`model_inputs.ModelInputs`), and the loop runs under `torch.no_grad()` as
+transformers' does, so its outputs are ordinary tensors that can enter an autograd graph. The step itself (speculation, repair decisions, the forward) is `step.DualStep`,
 which the serving scheduler runs too; per step this loop reads the device once (the sampled tokens, which sequences
 go on and the model's guess for the next speculated token, in one transfer). Each forward carries the cache as the
 `dual_cache` keyword argument, which routes attention to the dual cache for that call only (`routing.py`): the
@@ -21,21 +25,15 @@ from transformers.utils import logging
 
 from .cache import DualDecoderCache
 from .compat import check_model_serves_dual
+from .model_inputs import CACHE_KWARGS, ModelInputs, forward_inputs, input_positions
+from .refusals import refuse
+from .sampling import StepSampler
 from .step import DualStep, cache_kwarg_name
-from .streams import to_host_list
+from .streams import to_device, to_host_list
 
 logger = logging.get_logger(__name__)
 
-CACHE_KWARGS = ("cache", "past_key_values")  # transformers ≥5.24 / 5.22–5.23
 CLOSE_AFTER = "dual_close_after"  # model_kwargs flag: the cache was made for this call alone (`integration.py`)
-
-
-def _position_ids(attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
-    """Positions as transformers computes them for generation: cumulative count of real tokens (pads at 0)."""
-    if attention_mask is None:
-        return torch.arange(length, device=device).expand(batch, length)
-    positions = attention_mask.long().cumsum(-1) - 1
-    return positions.masked_fill(attention_mask == 0, 0)
 
 
 def dual_sample(
@@ -54,15 +52,19 @@ def dual_sample(
         input_ids: `(B, P)` int64 left-padded prompts (`(B, 0)` or ignored for the prefill when `inputs_embeds`
             are given, as transformers does).
         model_kwargs: must hold the `DualDecoderCache` (under `cache` or `past_key_values`) and may hold the
-            `(B, P)` `attention_mask` and `(B, P, hidden)` `inputs_embeds` (then the prompt: prefill from them).
+            `(B, P)` `attention_mask`, `(B, P)` `position_ids`, `(B, P, hidden)` `inputs_embeds` (then the prompt:
+            prefill from them) and any other model input, passed on as transformers passes it
+            (`model_inputs.ModelInputs`).
         streamer: transformers' streamer contract (`put` per token, `end`).
 
     Raises:
-        ValueError: before any work, for a model the dual cache cannot serve (`compat.check_model_serves_dual`).
+        ValueError: before any work, for a model or model input the dual cache cannot serve
+            (`compat.check_model_serves_dual`, `refusals.REFUSED`).
 
     Returns:
-        `(B, P + new)` sequences, or `GenerateDecoderOnlyOutput` with `scores`/`logits` and the cache when
-        `return_dict_in_generate=True`.
+        `(B, P + new)` sequences, or `GenerateDecoderOnlyOutput` with `scores` / `logits` / `hidden_states` (the
+        real tokens': per new token, per layer `(B, P, hidden)` for the prefill's, `(B, 1, hidden)` after) and the
+        cache when `return_dict_in_generate=True`. Ordinary tensors (computed under `torch.no_grad()`).
     """
     cache: DualDecoderCache = next(model_kwargs[k] for k in CACHE_KWARGS if k in model_kwargs)
     close_after = model_kwargs.pop(CLOSE_AFTER, False)
@@ -75,7 +77,8 @@ def dual_sample(
     return_dict = generation_config.return_dict_in_generate
     scores = () if (return_dict and generation_config.output_scores) else None
     raw_logits = () if (return_dict and generation_config.output_logits) else None
-    do_sample = generation_config.do_sample
+    hidden_states = () if (return_dict and generation_config.output_hidden_states) else None
+    sampler = StepSampler(generation_config.do_sample, config.coupled_sampling)
 
     embeds = model_kwargs.get("inputs_embeds")
     prompt = input_ids if embeds is None else embeds
@@ -83,17 +86,13 @@ def dual_sample(
     device = input_ids.device
     attention_mask = model_kwargs.get("attention_mask")
     stored = cache.get_seq_length()
+    if synced_gpus:
+        raise refuse("synced_gpus")
     if stored:  # continue the cached sequences: only the new tokens are prefilled
         cache.check_continuation(input_ids if embeds is None else None, input_len, attention_mask)
-    positions = _position_ids(attention_mask, batch, input_len, device)
+    positions = input_positions(model_kwargs, attention_mask, batch, input_len, device)
+    inputs = ModelInputs(model, model_kwargs, cache_arg, input_len - stored, config.prefill_chunk_size)
     unfinished = torch.ones(batch, dtype=torch.long, device=device)
-
-    def forward(tokens: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor, keep: int):
-        inputs = {"inputs_embeds": tokens} if tokens.is_floating_point() else {"input_ids": tokens}
-        return model(
-            **inputs, attention_mask=mask, position_ids=position_ids, use_cache=True,
-            logits_to_keep=keep, dual_cache=cache, **{cache_arg: cache},
-        )
 
     cache.check_model(model)  # the model itself: under tensor parallelism the cache holds this rank's KV heads
     total_tokens = input_len + max(generation_config.max_length - input_ids.shape[1], 0) + 1
@@ -109,21 +108,27 @@ def dual_sample(
                     "default cache does, and has nothing to offload."
                 )
         cache.begin_request(batch, total_tokens, model.dtype, device, attention_mask, input_len)
-        with torch.inference_mode():
+        with torch.no_grad():
             chunk = config.prefill_chunk_size
             starts = range(stored, input_len, chunk)
             if config.prefill_progress:  # a tqdm bar, even disabled, starts tqdm's monitor thread
                 starts = tqdm(starts, desc="prefill", unit="chunk")
+            prefill_hidden = []
             for start in starts:
                 end = min(start + chunk, input_len)
-                outputs = forward(
-                    prompt[:, start:end], None if attention_mask is None else attention_mask[:, :end],
-                    positions[:, start:end], 1,
-                )
+                chunk_inputs = inputs.prefill(prompt[:, start:end], end,
+                                              None if attention_mask is None else attention_mask[:, :end],
+                                              positions[:, start:end], cache)
+                outputs = model(**chunk_inputs, **forward_inputs(cache, cache_arg, 1, cache.prefill_call()))
+                if hidden_states is not None:
+                    prefill_hidden.append(outputs.hidden_states)
                 cache.crop(0)  # sliding-window layers drop what falls out of their window
             cache.end_prefill()
             step_logits = outputs.logits[:, -1].to(dtype=torch.float32, device=device)
             del outputs
+            if hidden_states is not None:  # the prompt's, one tensor per layer, as one forward would give them
+                step_hidden = tuple(torch.cat(layer, dim=1) for layer in zip(*prefill_hidden))
+                del prefill_hidden
             # what the host keeps of the sequences (read once here, then extended by each step's one read)
             host_ids = torch.tensor(to_host_list(input_ids), dtype=torch.long).reshape(batch, -1)
             next_position = to_host_list(positions[:, -1] + 1)
@@ -137,15 +142,25 @@ def dual_sample(
                         scores += (next_scores,)
                     if raw_logits is not None:
                         raw_logits += (step_logits,)
-                if do_sample:
-                    next_tokens = torch.multinomial(torch.softmax(next_scores, dim=-1), num_samples=1).squeeze(1)
-                else:
-                    next_tokens = next_scores.argmax(dim=-1)
+                    if hidden_states is not None:
+                        hidden_states += (step_hidden,)
+                next_tokens = sampler.real(next_scores)
                 if has_eos_stopping_criteria:
                     next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
+                # the model's guess for the token after the speculated one: the argmax of the speculated slot's logits,
+                # or under coupled sampling a draw with the noise of the next real token from its processed scores on
+                # the sequence extended by it (the processors run twice a step only then: a stateful one is safe
+                # under greedy decoding and with coupled_sampling=False)
+                if spec_logits is None:
+                    chained = next_tokens
+                elif sampler.coupled:
+                    chained = sampler.speculated(logits_processor(
+                        torch.cat([input_ids, to_device(speculated, device)[:, None]], dim=-1), spec_logits))
+                else:
+                    chained = sampler.speculated(spec_logits)
                 input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+                inputs.advance()
                 unfinished = unfinished & ~stopping_criteria(input_ids, scores)
-                chained = next_tokens if spec_logits is None else spec_logits.argmax(dim=-1)
                 # the step's one read from the device: the sampled tokens, which sequences go on, the model's guess
                 tokens, still, guesses = to_host_list(torch.stack([next_tokens, unfinished.long(), chained]))
                 if speculated is not None:
@@ -167,8 +182,8 @@ def dual_sample(
                                           dim=-1)
                 else:
                     step_mask = None
-                step_logits, spec_logits = step.forward(cache, tokens, speculated, next_position, step_mask, live,
-                                                        last_hit)
+                step_logits, spec_logits, step_hidden = step.forward(cache, tokens, speculated, next_position,
+                                                                     step_mask, live, last_hit, inputs)
                 next_position = [p + 1 for p in next_position]
         cache.end_request(input_ids if embeds is None else None)
     except BaseException:
@@ -181,5 +196,6 @@ def dual_sample(
         streamer.end()
     if return_dict:
         cache_field = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
-        return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores, logits=raw_logits, **{cache_field: cache})
+        return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores, logits=raw_logits,
+                                         hidden_states=hidden_states, **{cache_field: cache})
     return input_ids

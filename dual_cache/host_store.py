@@ -98,6 +98,27 @@ def _register(tensor: torch.Tensor) -> None:
         raise RuntimeError(f"cudaHostRegister failed with CUDA error {int(result)}.")
 
 
+def copy_block(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src, non_blocking=True)` for one contiguous block of a store's traffic with the device (the
+    positions of one sequence and KV head in one chunk).
+
+    Between a page-locked host block and the device the copy is asynchronous on the current stream. PyTorch copies a
+    strided tensor between host and device through a contiguous temporary in pageable memory and waits for it (an
+    extra host copy, at pageable speed, with the launch thread stalled; docs/design.md §6), so both sides must be
+    contiguous: a `(B, H_kv, n, D)` range of a `(B, H_kv, tokens, D)` chunk is not, its `(n, D)` block per
+    (sequence, KV head) is.
+
+    Raises:
+        RuntimeError: when `dst` or `src` is not contiguous (a caller that would make the copy synchronous).
+    """
+    if not (dst.is_contiguous() and src.is_contiguous()):
+        raise RuntimeError(
+            f"copy_block needs contiguous blocks, got strides {tuple(dst.stride())} <- {tuple(src.stride())}: a "
+            "strided copy between host and device stages through pageable memory and waits."
+        )
+    dst.copy_(src, non_blocking=True)
+
+
 def _release(chunks: list[tuple[torch.Tensor, torch.Tensor]], registered: bool) -> None:
     """Unregister (if registered) and drop every chunk; runs once, from `free()` or when the store is collected."""
     freed = 0
@@ -157,6 +178,8 @@ class HostKVStore:
         self._starts: list[int] = []  # first position of each chunk
         self.capacity = 0  # allocated tokens per (sequence, KV head)
         self.shared_length = 0  # positions [0, shared_length) are one sequence's, shared by every row (`share`)
+        self.bytes_to_host = 0  # bytes `append` copied in (keys + values)
+        self.bytes_to_device = 0  # bytes `read_into` copied out
         self._finalizer = weakref.finalize(self, _release, self._chunks, self.page_lock)
 
     def __getstate__(self) -> dict:  # copies (a closed cache's deepcopy) get a lock of their own
@@ -235,23 +258,22 @@ class HostKVStore:
         self.capacity += tokens
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Append `(B, H_kv, q, D)` keys/values (any device) at positions `[length, length + q)`."""
+        """Append `(B, H_kv, q, D)` keys/values (any device) at positions `[length, length + q)`.
+
+        From a CUDA device the copies are asynchronous on the current stream, one contiguous block per (sequence,
+        KV head) and chunk into the page-locked chunks (`copy_block`; the new keys are made contiguous on the device
+        first); host readers wait for them with `wait_written`, device readers (`read_into`) are ordered after them
+        by the stream."""
         q = keys.shape[2]
         if self.length + q > self.capacity:
             short = self.length + q - self.capacity
             own = self.capacity - self.shared_length  # a shared prefix is not grown per sequence
             self._grow(max(short, next_chunk_tokens(own, self.chunk_tokens)))
-        done = 0
-        while done < q:
-            chunk, offset = self._locate(self.length + done)
-            chunk_keys, chunk_values = self._chunks[chunk]
-            take = min(q - done, chunk_keys.shape[2] - offset)
-            chunk_keys[:, :, offset : offset + take].copy_(keys[:, :, done : done + take], non_blocking=True)
-            chunk_values[:, :, offset : offset + take].copy_(values[:, :, done : done + take], non_blocking=True)
-            done += take
+        self._copy_in(keys.contiguous(), values.contiguous(), self.length)
         if keys.device.type == "cuda":  # device→host copies are asynchronous; readers wait on this event
             self._written = torch.cuda.Event()
             self._written.record(torch.cuda.current_stream(keys.device))
+        self.bytes_to_host += keys.nbytes + values.nbytes
         self.length += q
 
     def stage(self, keys: torch.Tensor, values: torch.Tensor, streams) -> None:
@@ -260,15 +282,16 @@ class HostKVStore:
         and written into the store by whichever comes first: a `wait_written` (any thread: a retrieval job, a
         reader), or a later `stage` finding the copy done. `length` counts them at once; readers call
         `wait_written` first. With `streams` that copy at once (`HostStreams`, a CPU device) the tokens are written
-        directly, as `append` does."""
-        if not streams.asynchronous:
-            self.append(keys, values)
-            return
+        directly."""
         q = keys.shape[2]
         if self.length + q > self.capacity:
             short = self.length + q - self.capacity
             own = self.capacity - self.shared_length
             self._grow(max(short, next_chunk_tokens(own, self.chunk_tokens)))
+        if not streams.asynchronous:  # the "device" is host memory: one strided host copy
+            self._write(keys, values, self.length)
+            self.length += q
+            return
         buffers = self._spare.pop() if self._spare and self._spare[-1][0].shape == keys.shape else None
         if buffers is None:
             pin = self.page_lock and keys.device.type == "cuda"
@@ -299,8 +322,23 @@ class HostKVStore:
         finally:
             self._stage_lock.release()
 
+    def _copy_in(self, keys: torch.Tensor, values: torch.Tensor, position: int) -> None:
+        """Copy contiguous `(B, H_kv, q, D)` keys/values (any device) into the chunks at positions
+        `[position, position + q)`, one block per (sequence, KV head) and chunk (`copy_block`)."""
+        q, done = keys.shape[2], 0
+        sources = keys.flatten(0, 1), values.flatten(0, 1)  # (B·H_kv, q, D): one row per (sequence, KV head)
+        while done < q:
+            chunk, offset = self._locate(position + done)
+            take = min(q - done, self._chunks[chunk][0].shape[2] - offset)
+            for stored, source in zip(self._chunks[chunk], sources):
+                rows = stored.flatten(0, 1)
+                for row in range(rows.shape[0]):
+                    copy_block(rows[row, offset : offset + take], source[row, done : done + take])
+            done += take
+
     def _write(self, keys: torch.Tensor, values: torch.Tensor, position: int) -> None:
-        """Copy host `(B, H_kv, q, D)` keys/values into the chunks at positions `[position, position + q)`."""
+        """Copy host `(B, H_kv, q, D)` keys/values into the chunks at positions `[position, position + q)` (host to
+        host: one strided copy per chunk)."""
         q, done = keys.shape[2], 0
         while done < q:
             chunk, offset = self._locate(position + done)
@@ -375,19 +413,53 @@ class HostKVStore:
         values = torch.cat([view.expand(batch, *view.shape[1:]) for view in self._views(1, hi)], dim=2)[:, :, lo:]
         return keys, values
 
+    def read_into(self, lo: int, hi: int, keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
+        """Copy positions `[lo, hi)` into `(B, H_kv, hi - lo, D)` tensors on the device (e.g. the first positions of
+        a larger device tensor), one block per (sequence, KV head) and chunk straight from the page-locked chunks
+        (`copy_block`: asynchronous on CUDA, on the current stream, which orders them after this store's appends);
+        each output's `(hi - lo, D)` block per (sequence, KV head) must be contiguous. A shared prefix's one
+        sequence is copied into every row.
+
+        Raises:
+            ValueError: for a range outside `[0, length]`.
+        """
+        if not 0 <= lo <= hi <= self.length:
+            raise ValueError(f"Cannot read positions [{lo}, {hi}) from a store holding {self.length}.")
+        if keys_out.device.type == "cpu":  # a host reader: the device's writes must have landed
+            self.wait_written()
+        else:  # the device reads after its own writes (stream order); staged decode tokens are written on the host
+            self._drain(block=True)
+        batch, kv_heads = self.shape_prefix
+        outputs = keys_out.flatten(0, 1), values_out.flatten(0, 1)  # (B·H_kv, hi - lo, D) views
+        for start, (keys, values) in zip(self._starts, self._chunks):
+            first, last = max(lo, start), min(hi, start + keys.shape[2])
+            if first >= last:
+                continue
+            for stored, out in zip((keys, values), outputs):
+                rows = stored.flatten(0, 1)  # a shared chunk holds one sequence: row h serves (b, h) of every b
+                for row in range(batch * kv_heads):
+                    source = rows[row if stored.shape[0] > 1 else row % kv_heads]
+                    copy_block(out[row, first - lo : last - lo], source[first - start : last - start])
+        self.bytes_to_device += keys_out[:, :, : hi - lo].nbytes + values_out[:, :, : hi - lo].nbytes
+
     def gather(self, indices: torch.Tensor, out: Sequence[torch.Tensor] | None = None,
                rows: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at `indices` (b, H_kv, k) int64 positions `< length`.
 
         Args:
-            out: optional contiguous `(keys, values)` `(b, H_kv, k, D)` host tensors to write into (e.g. a staging
-                buffer).
+            out: optional `(keys, values)` `(b, H_kv, k, D)` host tensors to write into (e.g. a staging buffer;
+                written in place when contiguous, through a temporary otherwise).
             rows: the store's sequences the `b` rows of `indices` belong to (ValueError if outside its batch);
                 None: `0 … b - 1`.
 
         Returns:
             `(keys, values)`, each `(b, H_kv, k, D)`.
         """
+        if out is not None and not all(o.is_contiguous() for o in out):  # slots of a wider buffer: via a copy
+            keys, values = self.gather(indices, None, rows)
+            out[0].copy_(keys)
+            out[1].copy_(values)
+            return out[0], out[1]
         out_keys, out_values = out if out is not None else (None, None)
         own = self.own_rows(rows, indices.shape[0])
         return self._gather(0, indices, out_keys, own), self._gather(1, indices, out_values, own)

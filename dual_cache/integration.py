@@ -20,27 +20,21 @@ from . import routing
 from .cache import DualDecoderCache
 from .config import DualDecoderConfig
 from .decoding import CACHE_KWARGS, CLOSE_AFTER, cache_kwarg_name, dual_sample
+from .refusals import refuse
 
 CACHE_IMPLEMENTATION = "dual"
 _SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 
 
 def check_generation_supported(generation_config, generation_mode) -> None:
-    """Raise `ValueError` for generation settings the dual cache cannot serve (before any work starts)."""
+    """Raise `ValueError` for generation settings the dual cache cannot serve (before any work starts; the reasons:
+    `refusals.REFUSED`)."""
     if generation_mode not in _SUPPORTED_MODES:
-        raise ValueError(
-            f"The dual cache supports greedy decoding and sampling, not {generation_mode.value} "
-            "(beam search needs a cache that reorders sequences; assisted and contrastive decoding need one that "
-            "verifies several candidate tokens). Set num_beams=1 and drop assistant_model / prompt_lookup_num_tokens "
-            "/ penalty_alpha, or use the default cache."
-        )
-    if generation_config.output_attentions or generation_config.output_hidden_states:
-        raise ValueError(
-            "output_attentions / output_hidden_states are not available with the dual cache (attention runs over "
-            "a sparse set of entries). Unset them or use the default cache."
-        )
+        raise refuse(GenerationMode(generation_mode).value)
+    if generation_config.output_attentions:
+        raise refuse("output_attentions")
     if generation_config.use_cache is False:
-        raise ValueError("The dual cache needs use_cache=True.")
+        raise refuse("use_cache=False")
 
 
 def _wrap_prepare_cache(original):

@@ -15,29 +15,11 @@ from .config import DualDecoderConfig
 from .host_memory import HostMemory
 from .host_store import HostKVStore
 from .kernels import KVSegment
-from .repair import StepRows
+from .repair import StepRows, rows_to_repair
+from .rerank import rerank_valid
 from .schedule import TransferSchedule
-from .streams import to_host_list
 from .selectors import SELECTORS, Candidates, Selector
 from .sequences import SequenceState
-
-
-def query_drift(query: torch.Tensor, chooser: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """Relative distance between a token's query and the query that chose its entries, per sequence.
-
-    Args:
-        query: `(B, H_q, D)` the real token's query at one layer (any float dtype, any device).
-        chooser: `(B, H_q, D)` the query that selected the entries it attends to (the speculated token's).
-        kv_heads: `H_kv`; the query heads of one KV head (its GQA group) are compared as one `G·D` vector.
-
-    Returns:
-        `(B,)` float32 on `query`'s device: the largest over KV heads of `‖q − q̂‖₂ / ‖q‖₂` (0 for equal queries;
-        huge or inf for a zero query with a non-zero `chooser`).
-    """
-    batch = query.shape[0]
-    real = query.float().reshape(batch, kv_heads, -1)
-    diff = (real - chooser.float().reshape(batch, kv_heads, -1)).norm(dim=-1)
-    return (diff / real.norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)).amax(dim=-1)
 
 
 class DualLayer(CacheLayerMixin):
@@ -78,6 +60,12 @@ class DualLayer(CacheLayerMixin):
         self.selector: Selector | None = None  # built with the host store when the layer retrieves (budget > 0)
         self.schedule: TransferSchedule | None = None  # the running request's (`begin_request`)
         self.request_budget = budget  # this request's budget: at most its tokens
+        self.fetch_budget = budget  # entries per KV head the selector chooses for a slot (`_fetch_for`)
+        self.next_budget = 0  # slots after them for the next positions of what the real token attended
+        self.attended: torch.Tensor | None = None  # (B, H_kv, S) int64 device: this step's attended positions, -1
+        # (B, H_kv, m) int64 host, -1 where none: the positions the last step attended when a request ended mid-decode
+        # (its first step's next positions: kept between requests with `next_query`, carried by `regroup`)
+        self.next_attended: torch.Tensor | None = None
         self.ring_size = config.window + 2
         self.reserve_tokens = 0  # tokens the host store holds at once when the request starts
         self.decoding = False
@@ -103,7 +91,7 @@ class DualLayer(CacheLayerMixin):
         self.host.reserve(self.reserve_tokens)
         if self.budget > 0:
             self.selector = SELECTORS[self.config.selector](
-                self.config, self.request_budget, self.host, self.device, claim_host=self.host_memory.claim
+                self.config, self.fetch_budget, self.host, self.device, claim_host=self.host_memory.claim
             )
         self.is_initialized = True
 
@@ -181,13 +169,25 @@ class DualLayer(CacheLayerMixin):
         self.schedule = schedule
         self.unstored = 0
         self.request_budget = min(self.budget, tokens)
+        self.fetch_budget = self._fetch_for(self.request_budget, tokens)
+        self.next_budget = self.request_budget if (
+            self.config.fetch_next and SELECTORS[self.config.selector].prefetched and self.fetch_budget < tokens
+            and self.request_budget > 0) else 0
+        self.attended = None
         self.ring_size = min(self.config.window, tokens) + 2
         self.reserve_tokens = reserve
         self.decoding = False
         if self.host is not None:
             self.host.reserve(reserve)
         if self.selector is not None:
-            self.selector.budget = self.request_budget
+            self.selector.budget = self.fetch_budget
+
+    def _fetch_for(self, budget: int, tokens: int) -> int:
+        """Entries per KV head a selection slot holds for a request of `tokens` tokens: `fetch_factor × budget` for
+        a prefetched selector (the real query re-ranks them on the device, `rerank.py`), else `budget`."""
+        if not SELECTORS[self.config.selector].prefetched:
+            return budget
+        return max(budget, min(self.config.fetch_factor * budget, tokens))
 
     def share(self, batch: int) -> None:
         """The stored sequence becomes a prefix `batch` sequences share (`HostKVStore.share`, `Selector.share`)."""
@@ -201,35 +201,50 @@ class DualLayer(CacheLayerMixin):
         index and `next_query` stay for a request that continues these sequences."""
         if self.decoding and self.selecting_query is not None:
             self.next_query = self.selecting_query.detach().to("cpu", torch.float32)
+            if self.attended is not None:  # else no step ran: the first step's positions stand
+                self.next_attended = compact_positions(self.attended, self.request_budget).to("cpu")
         self.schedule = None
         self.decoding = False
         self.sink_keys = self.sink_values = self.sink_pos = self.sink_valid = None
         self.ring_keys = self.ring_values = None
         self.selecting_query = None
+        self.attended = None
 
     # --- prefill ---------------------------------------------------------------------------------------
     def prefill_kv(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of every position so far, `(B, H_kv, n, D)` on the compute device, for dense prefill.
 
         The chunk's own `key_states`/`value_states` `(B, H_kv, q, D)` are used as they are; earlier positions are
-        read back from the host store (one layer at a time on the device).
+        read back from the host store (`HostKVStore.read_into`: contiguous blocks, asynchronous on CUDA).
+
+        What a chunked prefill moves: each prompt token goes to the host once (`HostKVStore.append`), linear in
+        the prompt; the earlier chunks come back to the device at every later chunk, `C · n(n-1)/2` tokens per
+        layer for n chunks of C tokens, quadratic in the prompt for a fixed chunk size. That re-read is the price
+        of holding one layer's K/V on the device at a time: transformers runs every layer for a chunk before the
+        next chunk starts, so keeping a layer's earlier K/V for its next chunk would keep every layer's — the
+        dense cache. Larger chunks re-read less (n − 1 times the prompt's K/V over n chunks, halved).
         """
         q = key_states.shape[2]
         past = self.host.length - q
         if past == 0:
             return key_states, value_states
-        self.host.wait_written()
-        keys, values = self.host.read(0, past)
-        keys = torch.cat([keys.to(self.device, non_blocking=True), key_states], dim=2)
-        values = torch.cat([values.to(self.device, non_blocking=True), value_states], dim=2)
+        batch, kv_heads, _, dim = key_states.shape
+        keys = torch.empty(batch, kv_heads, past + q, dim, dtype=key_states.dtype, device=self.device)
+        values = torch.empty_like(keys)
+        self.host.read_into(0, past, keys[:, :, :past], values[:, :, :past])
+        keys[:, :, past:] = key_states
+        values[:, :, past:] = value_states
         return keys, values
 
     def end_prefill_chunk(self, query: torch.Tensor, scaling: float) -> None:
         """A prefill chunk was stored: keep its last position's query `(B, H_q, D)` (it selects the first decode
-        step) and extend the selector's host index over the prompt so far."""
+        step) and extend the selector's host index over the prompt so far (after the chunk's keys have reached
+        host memory)."""
         self.next_query = query.detach().to("cpu", torch.float32)
+        self.next_attended = None  # the prompt's last token chose: its own top entries continue (`Selector.job`)
         self.scaling = scaling
         if self.selector is not None:
+            self.host.wait_written()
             batch, length, start = self.host.shape_prefix[0], self.host.length, self.host.shared_length
             self.selector.extend(length, self.sequences.first_real_so_far(batch, length, start))
 
@@ -251,37 +266,48 @@ class DualLayer(CacheLayerMixin):
         self.ring_values = torch.zeros_like(self.ring_keys)
         first_pos = max(0, n - self.config.window)
         slots = torch.arange(first_pos, n, device=self.device) % self.ring_size
-        keys, values = self.host.read(first_pos, n)
-        self.ring_keys.index_copy_(2, slots, keys.to(self.device))
-        self.ring_values.index_copy_(2, slots, values.to(self.device))
+        keys = torch.empty(batch, kv_heads, n - first_pos, dim, dtype=self.dtype, device=self.device)
+        values = torch.empty_like(keys)
+        self.host.read_into(first_pos, n, keys, values)
+        self.ring_keys.index_copy_(2, slots, keys)
+        self.ring_values.index_copy_(2, slots, values)
         self.decoding = True
         if self.selector is not None and self.selector.prefetched:
-            self.submit_selection(self.next_query, committed=n)
+            self.submit_selection(self.next_query, committed=n, attended=self.next_attended)
 
     def _selection_job(self, query: torch.Tensor, committed: int, rows: list[int] | None = None,
-                       exact: frozenset[int] = frozenset(), use: str = "prefetch"):
+                       exact: frozenset[int] = frozenset(), use: str = "prefetch", follow=None):
         """The selector's retrieval job for `query` `(B, H_q, D)` (any device: copied to the host on the copy stream,
         the job waits for it) among the candidates below `committed - window`; `rows` selects for those sequences
-        only (a repair), `exact` of them by exact scoring (`Selector.job`)."""
+        only (a repair), `exact` of them by exact scoring; `follow` the host copy of the positions the real token
+        attended (`Selector.job`)."""
         end = max(0, committed - self.config.window)
         host_query, ready = self.schedule.query_to_host(self.layer_idx, query, use)
         candidates = Candidates(self.sequences.candidates_below(end), self.sequences.first_real)
-        return self.selector.job(host_query, ready, candidates, self.scaling, rows, exact)
+        return self.selector.job(host_query, ready, candidates, self.scaling, rows, exact, follow)
 
-    def submit_selection(self, query: torch.Tensor, committed: int) -> None:
+    def submit_selection(self, query: torch.Tensor, committed: int, attended: torch.Tensor | None = None) -> None:
         """Schedule the selection for the step whose committed length is `committed` tokens.
 
         Args:
             query: `(B, H_q, D)` query (any device) of the (speculated or real) token predicting that step.
             committed: real tokens in the cache when that step starts; its window is `[committed - window,
                 committed)` and candidates lie in `[0, committed - window)` minus sink and pads.
+            attended: `(B, H_kv, m)` int64 positions the real token attended (-1: none), whose next positions the
+                selection adds (`fetch_next`); None: this step's (`attended`, set by `decode_segments`).
         """
         if self.selector is None:
             return
         self.selecting_query = query
         batch, kv_heads = self.host.shape_prefix
-        shape = (batch, kv_heads, self.request_budget, self.host.head_dim)
-        self.schedule.submit(self.layer_idx, self._selection_job(query, committed), shape, self.host.dtype)
+        shape = (batch, kv_heads, self.fetch_budget + self.next_budget, self.host.head_dim)
+        attended = self.attended if attended is None else attended
+        follow = None
+        if self.next_budget and attended is not None:
+            follow = (attended, None) if attended.device.type == "cpu" and self.device.type != "cpu" else \
+                self.schedule.query_to_host(self.layer_idx, attended, "attended")
+        self.schedule.submit(self.layer_idx, self._selection_job(query, committed, follow=follow), shape,
+                             self.host.dtype)
 
     def repair_selection(self, query: torch.Tensor, committed: int, rows: list[int], batch: int,
                          drifted: list[int] = ()) -> None:
@@ -303,16 +329,18 @@ class DualLayer(CacheLayerMixin):
         job = self._selection_job(query, committed, subset, frozenset(drifted), use="repair")
         self.schedule.repair(self.layer_idx, job, list(rows))
 
-    def decode_segments(self, query: torch.Tensor, scaling: float,
-                        rows: StepRows = StepRows()) -> tuple[list[KVSegment], int]:
+    def decode_segments(self, query: torch.Tensor, scaling: float, rows: StepRows = StepRows(),
+                        softcap: float | None = None) -> tuple[list[KVSegment], int]:
         """The device-resident KV segments the running step attends to: sink, selection, window ring.
 
         Args:
             query: `(B, H_q, q, D)` queries of the step (q = 1 or 2); selectors that are not prefetched (oracle,
                 Quest) select with the real token's query (slot 0) here, synchronously, and so does miss repair for
-                `rows`.
+                `rows`. A prefetched selection of more entries than the budget (`fetch_factor`) is re-ranked here
+                by the real token's query, on the device (`rerank.rerank_valid`).
             scaling: the layer's softmax scale.
             rows: the sequences this step repairs or checks for drift.
+            softcap: the model's attention logit soft-cap, or None (used by the re-rank's scores).
 
         Returns:
             `KVSegment`s read in place (no concatenation; the ring segment also holds the step's q new tokens),
@@ -329,30 +357,21 @@ class DualLayer(CacheLayerMixin):
                 self.submit_selection(query[:, :, 0], committed=n - q)
             selection = self.schedule.acquire(self.layer_idx)
             if selector.repairable and not selector.selects_everything(n - q - self.config.window):
-                repair, drift_only = self._rows_to_repair(query[:, :, 0], rows)
+                repair, drift_only = rows_to_repair(query[:, :, 0], self.selecting_query, rows,
+                                                    self.config.repair_drift, self.host.shape_prefix[1])
                 if repair:
                     self.repair_selection(query[:, :, 0], n - q, repair, rows.batch, drift_only)
                 drifted = int(bool(drift_only))
-            segments.append(KVSegment(selection.keys, selection.values, selection.indices, selection.valid))
+            valid = selection.valid
+            if selector.prefetched and valid.shape[2] > self.request_budget and \
+                    n - q - self.config.window > self.request_budget:  # more candidates than the budget
+                valid = rerank_valid(query[:, :, 0], selection.keys, valid, self.request_budget, scaling, softcap)
+            if self.next_budget:
+                self.attended = torch.where(valid, selection.indices, -1)
+            segments.append(KVSegment(selection.keys, selection.values, selection.indices, valid))
         ring_pos, ring_valid = self.sequences.ring_view(n, q, self.config.window, self.ring_size, self.device)
         segments.append(KVSegment(self.ring_keys, self.ring_values, ring_pos, ring_valid))
         return segments, drifted
-
-    def _rows_to_repair(self, real_query: torch.Tensor, rows: StepRows) -> tuple[list[int], list[int]]:
-        """The sequences whose entries this layer re-selects with `real_query` `(B, H_q, D)`: `rows.repair`, plus
-        the `rows.check` sequences whose query drifted from the one that chose the entries (`repair_drift`; one
-        device→host read of a `(B,)` flag, only when there are such rows). Returns `(repair, drifted)`: ascending
-        indices, and those of them added for drift."""
-        threshold = self.config.repair_drift
-        if not rows.check or threshold is None or self.selecting_query is None:
-            return list(rows.repair), []
-        chooser = self.selecting_query.to(real_query.device, non_blocking=True)
-        flags = query_drift(real_query, chooser, self.host.shape_prefix[1]) >= threshold
-        if rows.agree is not None:  # tensor parallelism: this rank holds some of the KV heads
-            flags = rows.agree(flags)
-        far = to_host_list(flags)
-        drifted = [i for i in rows.check if far[i]]
-        return sorted(set(rows.repair) | set(drifted)), drifted
 
     def release(self) -> None:
         """The running step's attention at this layer is queued; its selection slot may be reused."""
@@ -385,8 +404,16 @@ class DualLayer(CacheLayerMixin):
     def free(self) -> None:
         """Release host chunks, the selector's state and device tiers (the token count stays readable)."""
         self.end_request()
-        self.next_query = None
+        self.next_query = self.next_attended = None
         if self.host is not None:
             self.host.free()
         if self.selector is not None:
             self.selector.free()
+
+
+def compact_positions(positions: torch.Tensor, width: int) -> torch.Tensor:
+    """`(B, H_kv, width)`: the largest `width` entries of `positions` `(B, H_kv, n)` (positions, -1 where none), i.e.
+    every position when at most `width` are set, padded with -1."""
+    if positions.shape[2] >= width:
+        return torch.topk(positions, width, dim=-1).values
+    return torch.nn.functional.pad(positions, (0, width - positions.shape[2]), value=-1)

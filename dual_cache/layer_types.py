@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .refusals import refuse
+
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
@@ -35,10 +37,8 @@ def resolve_layer_types(text_config: Any, tokens: int | None) -> list[str]:
         layer_types = [SLIDING_ATTENTION if sliding_window else FULL_ATTENTION] * n_layers
     unsupported = sorted({t for t in layer_types if t not in (FULL_ATTENTION, SLIDING_ATTENTION)})
     if unsupported:
-        raise ValueError(
-            f"DualDecoderCache serves full-attention and sliding-window layers only; this model has layer "
-            f"types {unsupported}. Use the default cache for this model."
-        )
+        raise refuse("layer types other than full and sliding-window attention",
+                     f"This model has layer types {unsupported}")
     if tokens is not None and sliding_window and tokens <= sliding_window:
         return [FULL_ATTENTION] * len(layer_types)
     return list(layer_types)

@@ -22,6 +22,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 from .cache import DualDecoderCache
 from .layer import DualLayer
 from .layer_types import SLIDING_ATTENTION
+from .selectors.base import OWN_TOP
 
 
 def _check(rows: Sequence[tuple[DualDecoderCache, int]]) -> None:
@@ -146,6 +147,18 @@ def _regroup_dual(layer: DualLayer, sources, starts, offsets, axis: int, out: Du
     queries = [source.next_query for source, _ in sources]
     if all(q is not None for q in queries):
         layer.next_query = torch.stack([q[row if q.shape[0] > 1 else 0] for q, (_, row) in zip(queries, sources)])
+    attended = [source.next_attended for source, _ in sources]
+    if any(a is not None for a in attended):  # the positions each row's last step attended, on the new axis
+        width = max(a.shape[2] for a in attended if a is not None)
+        rows = []
+        for a, (_, row), start, offset in zip(attended, sources, starts, offsets):
+            mine = None if a is None else a[row if a.shape[0] > 1 else 0]
+            if mine is None or int(mine[0, 0]) == OWN_TOP:  # not decoded yet: its first step continues its own
+                rows.append(torch.full((kv_heads, width), OWN_TOP, dtype=torch.long))  # query's top entries
+                continue
+            shifted = torch.where(mine >= start, mine - start + offset, -1)
+            rows.append(torch.nn.functional.pad(shifted, (0, width - mine.shape[1]), value=-1))
+        layer.next_attended = torch.stack(rows)
     if layer.selector is not None:
         layer.selector.adopt([(source.selector, row) for source, row in sources], axis, out.sequences.first_real)
 

@@ -19,6 +19,8 @@ from typing import Callable
 
 import torch
 
+from .streams import to_host_list
+
 
 @dataclass(frozen=True)
 class StepRows:
@@ -75,3 +77,38 @@ class RepairPolicy:
         if self.drift is not None and (self.drift_on_hit_steps or repair):
             check = tuple(i for i in alive if hit[i])
         return StepRows(repair, check, alive, batch)
+
+
+def query_drift(query: torch.Tensor, chooser: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Relative distance between a token's query and the query that chose its entries, per sequence.
+
+    Args:
+        query: `(B, H_q, D)` the real token's query at one layer (any float dtype, any device).
+        chooser: `(B, H_q, D)` the query that selected the entries it attends to (the speculated token's).
+        kv_heads: `H_kv`; the query heads of one KV head (its GQA group) are compared as one `G·D` vector.
+
+    Returns:
+        `(B,)` float32 on `query`'s device: the largest over KV heads of `‖q − q̂‖₂ / ‖q‖₂` (0 for equal queries;
+        huge or inf for a zero query with a non-zero `chooser`).
+    """
+    batch = query.shape[0]
+    real = query.float().reshape(batch, kv_heads, -1)
+    diff = (real - chooser.float().reshape(batch, kv_heads, -1)).norm(dim=-1)
+    return (diff / real.norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)).amax(dim=-1)
+
+
+def rows_to_repair(real_query: torch.Tensor, chooser: torch.Tensor | None, rows: StepRows, threshold: float | None,
+                   kv_heads: int) -> tuple[list[int], list[int]]:
+    """The sequences a layer re-selects with `real_query` `(B, H_q, D)`: `rows.repair`, plus the `rows.check`
+    sequences whose query drifted from `chooser` (the query that chose the entries; `repair_drift` at `threshold`;
+    one device→host read of a `(B,)` flag, only when there are such rows). Returns `(repair, drifted)`: ascending
+    indices, and those of them added for drift."""
+    if not rows.check or threshold is None or chooser is None:
+        return list(rows.repair), []
+    chooser = chooser.to(real_query.device, non_blocking=True)
+    flags = query_drift(real_query, chooser, kv_heads) >= threshold
+    if rows.agree is not None:  # tensor parallelism: this rank holds some of the KV heads
+        flags = rows.agree(flags)
+    far = to_host_list(flags)
+    drifted = [i for i in rows.check if far[i]]
+    return sorted(set(rows.repair) | set(drifted)), drifted

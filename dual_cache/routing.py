@@ -51,12 +51,12 @@ def routed(own: Callable) -> Callable:
     """The attention function a module gets: `own` unless the call carries `dual_cache`."""
 
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
-        cache = kwargs.pop("dual_cache", None)
-        if cache is None:
+        call = kwargs.pop("dual_cache", None)
+        if call is None:
             return own(module, query, key, value, attention_mask, *args, **kwargs)
-        if isinstance(cache, AttentionProbe):
-            return cache.attend(own, module, query, key, value, attention_mask, *args, **kwargs)
-        return _dual(module, query, key, value, attention_mask, *args, own=own, cache=cache, **kwargs)
+        if isinstance(call, AttentionProbe):
+            return call.attend(own, module, query, key, value, attention_mask, *args, **kwargs)
+        return _dual(module, query, key, value, attention_mask, *args, own=own, call=call, **kwargs)
 
     attention.__wrapped__ = own
     return attention

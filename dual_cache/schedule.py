@@ -58,6 +58,16 @@ class Selection:
             torch.empty(batch, kv_heads, tokens, dim, dtype=dtype, device=device, pin_memory=pin),
         )
 
+    def narrow(self, slots: int) -> "Selection":
+        """Views of the first `slots` entries of each (sequence, KV head)."""
+        return Selection(self.indices[..., :slots], self.valid[..., :slots], self.keys[..., :slots, :],
+                         self.values[..., :slots, :])
+
+    def tail(self, start: int) -> "Selection":
+        """Views of the entries from slot `start` on."""
+        return Selection(self.indices[..., start:], self.valid[..., start:], self.keys[..., start:, :],
+                         self.values[..., start:, :])
+
     def copy_from(self, other: "Selection", non_blocking: bool = False) -> None:
         """Copy `other`'s four tensors into these (same shapes)."""
         for dst, src in zip((self.indices, self.valid, self.keys, self.values),
@@ -138,28 +148,34 @@ class TransferSchedule:
         self.repaired_steps = 0
         self.repair_seconds = 0.0
         # device clock (CUDA events; the simulated clock of `SimulatedStreams`; nothing on a CPU device): per step,
-        # a timing event where its first layer acquires, and each layer's (before, after) waiting for its copy
+        # a timing event where its first layer enters `acquire`; per layer, (step, entry, before) around the launch
+        # thread's host waits (nothing is queued on the compute stream between the two, so their gap is the device
+        # idling) and (step, before, after) around the compute stream's wait for the copy; the same around
+        # synchronous host jobs. `step` indexes `_step_marks`: only steps the next step's mark closes are read
         self._step_marks: list = []
         self._stalls: list = []
+        self._starved: list = []
         self.device_wait_seconds = 0.0  # the compute stream's time spent waiting for selection copies
+        self.device_starved_seconds = 0.0  # its time without work while the launch thread waited on host selection
         self.device_step_seconds = 0.0  # the compute stream's time from one step's first layer to the next's
         self.closed = False
 
     def query_to_host(self, layer_idx: int, query: torch.Tensor, use: str = "prefetch"):
         """Start copying `query` `(B, H_q, D)` (any float dtype, on the device) to a float32 host buffer of the
         layer's (page-locked on CUDA; one per layer and `use`, reused every step), on the copy stream after the
-        compute stream's work so far. Returns `(buffer, ready)`: read the buffer after `ready.synchronize()`.
+        compute stream's work so far; an integer tensor (positions) keeps its dtype. Returns `(buffer, ready)`: read the buffer after `ready.synchronize()`.
         The launching thread does not wait."""
+        dtype = torch.float32 if query.is_floating_point() else query.dtype  # positions stay int64
         if not self.streams.asynchronous:  # a CPU device: the query is in host memory already
-            return query.detach().float(), self.streams.record("copy")
+            return query.detach().to(dtype), self.streams.record("copy")
         key = (layer_idx, use)
         buffer = self._queries.get(key)
-        if buffer is None or buffer.shape != query.shape:
-            buffer = torch.empty(query.shape, dtype=torch.float32, pin_memory=self._pin)
+        if buffer is None or buffer.shape != query.shape or buffer.dtype != dtype:
+            buffer = torch.empty(query.shape, dtype=dtype, pin_memory=self._pin)
             self._queries[key] = buffer
         source = query.detach()
-        if source.dtype != torch.float32:
-            source = source.float()
+        if source.dtype != dtype:
+            source = source.to(dtype)
         self.streams.wait(self.streams.record("compute"), "copy")
         self.streams.copy(buffer, source)
         return buffer, self.streams.record("copy")
@@ -191,7 +207,9 @@ class TransferSchedule:
             record.update(retrieval_start=start - self._t0, retrieval_end=end - self._t0)
 
         if self._executor is None:
+            idle_from = self.streams.timed("compute")
             run()
+            self._starved_since(idle_from)
             self.wait_seconds += record["retrieval_end"] - record["retrieval_start"]  # the compute side ran it
             self._pending[layer_idx] = (None, record)
         else:
@@ -206,6 +224,7 @@ class TransferSchedule:
         """
         if layer_idx == self.order[0]:
             self.steps += 1
+        entry = self.streams.timed("compute")  # before any host wait below: the device may run dry from here
         if layer_idx not in self._issued:
             self._issue_copy(layer_idx)
         ahead = layer_idx
@@ -218,8 +237,10 @@ class TransferSchedule:
         self.streams.wait(ready, "compute")  # the device waits for the copy, not the host
         if before is not None:
             if layer_idx == self.order[0]:
-                self._step_marks.append(before)
-            self._stalls.append((before, self.streams.timed("compute")))
+                self._step_marks.append(entry)
+            step = len(self._step_marks) - 1
+            self._starved.append((step, entry, before))
+            self._stalls.append((step, before, self.streams.timed("compute")))
         record.update(step=self.steps, attention_start=time.perf_counter() - self._t0)
         self._in_use[layer_idx] = (record["slot_key"], record, view)
         return view
@@ -241,11 +262,13 @@ class TransferSchedule:
             KeyError: if `layer_idx` has no acquired (unreleased) selection.
         """
         _, record, view = self._in_use[layer_idx]
+        idle_from = self.streams.timed("compute")
         if self._repair_free is not None:
             self._repair_free.synchronize()  # the previous repair's copy out of the staging buffers has finished
         staging = self._repair_staging(view)
         start = time.perf_counter()
         job(staging)
+        self._starved_since(idle_from)
         copy_start = time.perf_counter()
         # on the compute stream: after the prefetched copy (the stream waited for it at `acquire`), before attention
         if len(rows) == view.keys.shape[0]:
@@ -293,6 +316,12 @@ class TransferSchedule:
         record["attention_end"] = time.perf_counter() - self._t0
         if self.record_timeline:
             self._timeline.append(record)
+
+    def _starved_since(self, mark) -> None:
+        """The launch thread waited on the host since timing event `mark` (None without a device clock) and queued
+        nothing on the compute stream meanwhile: record the gap to now, the device's idle time for want of work."""
+        if mark is not None:
+            self._starved.append((len(self._step_marks) - 1, mark, self.streams.timed("compute")))
 
     def _issue_copy(self, layer_idx: int) -> None:
         future, record = self._pending.pop(layer_idx)
@@ -346,20 +375,33 @@ class TransferSchedule:
         return sum(slot.nbytes for ring in self._rings.values() for slot in ring)
 
     def overlap_ratio(self) -> float:
-        """With a device clock (CUDA, after `close`): `1 − device_wait / device_step`, the share of the compute
-        stream's step time not spent waiting for selection copies. Else `1 − waited / (retrieval + copy)`, the
-        share of host retrieval and copies hidden behind compute. 1 when everything overlaps; nan before any."""
-        if self.device_step_seconds > 0:
-            return max(0.0, 1.0 - self.device_wait_seconds / self.device_step_seconds)
-        busy = self.retrieval_seconds + self.copy_seconds
-        return float("nan") if busy == 0 else max(0.0, 1.0 - self.wait_seconds / busy)
+        """With a device clock (CUDA, after `close`): `1 − (device_wait + device_starved) / device_step`, the share
+        of the compute stream's step time it was not idle for selections (waiting for a copy, or without work while
+        the launch thread waited on host selection). Else `1 − waited / (retrieval + copy)`, the share of host
+        retrieval and copies hidden behind compute. 1 when everything overlaps; nan before any."""
+        return overlap_ratio(vars(self))
 
     def _read_device_clock(self) -> None:
-        """Sum the timing events into `device_wait_seconds` and `device_step_seconds` (the compute stream has passed
-        them: the caller read the last step's logits)."""
-        self.device_wait_seconds += sum(elapsed_ms(a, b) for a, b in self._stalls) / 1e3
-        self.device_step_seconds += sum(elapsed_ms(a, b) for a, b in zip(self._step_marks, self._step_marks[1:])) / 1e3
-        self._stalls, self._step_marks = [], []
+        """Sum the timing event pairs of the steps the next step's mark closes (all but the last) into
+        `device_wait_seconds`, `device_starved_seconds` and `device_step_seconds`, so the idle time and the step
+        time cover the same steps.
+
+        Only pairs the compute stream has passed are read (after a request's last read, all of them); on a request
+        that ended in an error the others are dropped, and all of them when the device cannot answer (a CUDA error):
+        reading the clock must never replace the error that ended the request (`elapsed_time` on an event not yet
+        reached raises)."""
+        closed = len(self._step_marks) - 1
+        pairs = {"device_wait_seconds": [(a, b) for step, a, b in self._stalls if 0 <= step < closed],
+                 "device_starved_seconds": [(a, b) for step, a, b in self._starved if 0 <= step < closed],
+                 "device_step_seconds": list(zip(self._step_marks, self._step_marks[1:]))}
+        self._stalls, self._starved, self._step_marks = [], [], []
+        try:
+            seconds = {name: sum(elapsed_ms(a, b) for a, b in found if a.query() and b.query()) / 1e3
+                       for name, found in pairs.items()}
+        except RuntimeError:  # the device is in an error state: the request's error is what matters
+            return
+        for name, value in seconds.items():
+            setattr(self, name, getattr(self, name) + value)
 
     def timeline(self) -> list[dict]:
         """Per-(step, layer) records: `step`, `layer`, `slot`, `bytes`, `waited` (s) and `retrieval_start/end`,
@@ -403,6 +445,17 @@ class TransferSchedule:
                 self._repair_buffers = []
                 self._repair_free = None
                 self._slot_free.clear()
+
+
+def overlap_ratio(counters: dict) -> float:
+    """The pipeline's overlap from schedule counters (`TransferSchedule` attributes, or their sums over requests):
+    with a device clock `1 − (device_wait_seconds + device_starved_seconds) / device_step_seconds`, else
+    `1 − wait_seconds / (retrieval_seconds + copy_seconds)`; clamped at 0, nan before any decode step."""
+    if counters["device_step_seconds"] > 0:
+        idle = counters["device_wait_seconds"] + counters["device_starved_seconds"]
+        return max(0.0, 1.0 - idle / counters["device_step_seconds"])
+    busy = counters["retrieval_seconds"] + counters["copy_seconds"]
+    return float("nan") if busy == 0 else max(0.0, 1.0 - counters["wait_seconds"] / busy)
 
 
 def _fields(selection: Selection) -> tuple[torch.Tensor, ...]:

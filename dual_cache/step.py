@@ -11,11 +11,12 @@ exactly once, where the caller reads its sampled tokens (`tests/test_sync_points
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
 from .config import DualDecoderConfig
+from .model_inputs import ModelInputs, forward_inputs
 from .repair import RepairPolicy
 from .speculators import make_speculator
 from .streams import to_device
@@ -29,6 +30,22 @@ def cache_kwarg_name(model: torch.nn.Module) -> str:
 
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+class StepOutput(NamedTuple):
+    """What a decode step returns, on the device.
+
+    Attributes:
+        logits: `(B, V)` float32, the logits after the real token `x_t`.
+        spec_logits: `(B, V)` float32, the logits after the speculated token `x̂_{t+1}` (None with one token per
+            forward).
+        hidden_states: when the model was asked for them (`output_hidden_states`), the real token's hidden states:
+            per layer (embeddings first, as the model returns them) `(B, 1, hidden)`; else None.
+    """
+
+    logits: torch.Tensor
+    spec_logits: torch.Tensor | None
+    hidden_states: tuple[torch.Tensor, ...] | None
 
 
 class DualStep:
@@ -68,7 +85,8 @@ class DualStep:
             return self.speculator.propose(sequences, chained, last_hit)
 
     def forward(self, cache, real: list[int], speculated: list[int] | None, positions: list[int],
-                mask: torch.Tensor | None, live: list[bool], hit: list[bool] | None):
+                mask: torch.Tensor | None, live: list[bool], hit: list[bool] | None,
+                inputs: ModelInputs | None = None) -> StepOutput:
         """Run the step on `cache` (between `end_prefill` and `end_request` of its request).
 
         Args:
@@ -81,22 +99,27 @@ class DualStep:
             live: per sequence, still generating (finished ones are fed pads and never repaired).
             hit: per sequence, whether the speculated token that chose this step's entries equalled `x_t` (False
                 re-selects it in every layer); None on the request's first step (every live sequence re-selected).
+            inputs: the request's other model inputs (`generate()`'s model keyword arguments), built around the
+                step's tokens, mask and positions by the model's own `prepare_inputs_for_generation`; None feeds
+                tokens, mask and positions alone.
 
         Returns:
-            `(step_logits, spec_logits)`: `(B, V)` float32 on the device, the logits after `x_t` and after
-            `x̂_{t+1}` (None with one token per forward).
+            `StepOutput`: both slots' logits and, when asked for, the real token's hidden states.
         """
         q = self.tokens_per_forward
-        cache.begin_step(self.repair.rows(live, hit))
+        call = cache.begin_step(self.repair.rows(live, hit))  # the step's plan, handed to every layer's attention
         tokens = [[r, s] for r, s in zip(real, speculated)] if q == 2 else [[r] for r in real]
         position_ids = [[p + i for i in range(q)] for p in positions]
-        outputs = self.model(
-            input_ids=to_device(tokens, self.device), attention_mask=mask,
-            position_ids=to_device(position_ids, self.device), use_cache=True, logits_to_keep=q, dual_cache=cache,
-            **{self.cache_arg: cache},
-        )
+        model_inputs = {"input_ids": to_device(tokens, self.device), "attention_mask": mask,
+                        "position_ids": to_device(position_ids, self.device)}
+        if inputs is not None:
+            model_inputs = inputs.step(**model_inputs, cache=cache)
+        outputs = self.model(**model_inputs, **forward_inputs(cache, self.cache_arg, q, call))
+        cache.end_step(call)
         if q == 2:
             cache.crop(-1)  # only the real token's K/V are kept
         logits = outputs.logits.float()
+        hidden = getattr(outputs, "hidden_states", None)
         del outputs
-        return logits[:, 0], (logits[:, 1] if q == 2 else None)
+        return StepOutput(logits[:, 0], logits[:, 1] if q == 2 else None,
+                          None if hidden is None else tuple(h[:, :1] for h in hidden))

@@ -246,10 +246,12 @@ class SimulatedStreams:
         self._queue.put(("copy", dst, src, self._random.random() * self.max_delay_s))
 
     def close(self) -> None:
-        """Run what is queued, stop the copy thread; re-raises an error a copy raised."""
+        """Run what is queued, stop the copy thread (a host wait, as `CudaStreams.close`'s synchronize); re-raises an
+        error a copy raised."""
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+            count_host_wait("copy stream drained")  # counted once stopped: a strict counter raising leaks no thread
         if self._error is not None:
             error, self._error = self._error, None
             raise error

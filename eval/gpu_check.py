@@ -5,10 +5,10 @@ default selector (`DualDecoderConfig().selector`): on the device, the full-budge
 decoding; the pipelined path (retriever thread, copy stream, lookahead) equals the synchronous reference path,
 tokens and selections; the device's first-step selections agree with the CPU reference's; and steady-state decode
 steps run under `torch.cuda.set_sync_debug_mode("error")` without raising (no host synchronization but the loop's
-one read per step). Prints PASS / FAIL
-lines and writes `gpu_check.json` to `--out`; the exit status is 1 when a check fails. Seconds on one CUDA GPU.
-Timing lives in the benchmark (`dual-decoder bench --device cuda`); `eval/device_run.sh` runs both on the CUDA test
-machine. `--device cpu --tiny` runs the checks at toy sizes (used by the test suite).
+one read per step). Prints a PASS / FAIL line as each check finishes and rewrites `gpu_check.json` in `--out` after
+each; the exit status is 1 when a check fails. Seconds on one CUDA GPU. Timing lives in the benchmark
+(`dual-decoder bench --device cuda`); `eval/device_run.sh` runs both on the CUDA test machine. `--device cpu --tiny`
+runs the checks at toy sizes (used by the test suite).
 """
 
 from __future__ import annotations
@@ -76,8 +76,10 @@ def _same_selections(a, b) -> bool:
     )
 
 
-def check_correctness(device: torch.device, tiny: bool) -> list[dict]:
-    """The three correctness checks; each returns `{"check", "passed", "detail"}`."""
+def check_correctness(device: torch.device, tiny: bool, on_check=None) -> list[dict]:
+    """The four checks (three of correctness, one of synchronization), each `{"check", "passed", "detail"}`;
+    `on_check(check)` is called as each one finishes (a run cut short keeps the verdicts it reached)."""
+    on_check = on_check or (lambda check: None)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     config = small_real_shaped_config(tiny)
@@ -91,6 +93,7 @@ def check_correctness(device: torch.device, tiny: bool) -> list[dict]:
     full, _ = _generate(model, ids, new_tokens, budget=context + new_tokens, n_sink=4, window=64)
     results.append({"check": "full budget == dense (greedy, on device)", "passed": torch.equal(dense, full),
                     "detail": f"{new_tokens} tokens × 2 sequences, context {context}"})
+    on_check(results[-1])
 
     partial = {"budget": budget, "n_sink": 4, "window": 64, "early_layers": 1, "early_layer_budget": 2 * budget}
     sync_tokens, sync_sel = _generate(model, ids, new_tokens, **partial, retrieval_threads=0, layers_in_flight=1,
@@ -102,6 +105,7 @@ def check_correctness(device: torch.device, tiny: bool) -> list[dict]:
         "passed": torch.equal(sync_tokens, pipe_tokens) and _same_selections(sync_sel, pipe_sel),
         "detail": f"{len(pipe_sel)} (step, layer) selections, budget {budget}",
     })
+    on_check(results[-1])
 
     _, cpu_sel = _generate(cpu_model, ids.cpu(), 2, **partial, retrieval_threads=0, layers_in_flight=1, lookahead=0)
     layers = len({layer for layer, _, _ in cpu_sel})
@@ -116,59 +120,94 @@ def check_correctness(device: torch.device, tiny: bool) -> list[dict]:
         "check": "first-step selections agree with the CPU reference (>= 99% of entries)",
         "passed": agreement >= 0.99, "detail": f"mean overlap {agreement:.4f} over {len(overlaps)} (layer, row, head)",
     })
+    on_check(results[-1])
     results.append(check_no_sync_in_steady_state(model, ids, partial))
+    on_check(results[-1])
     return results
 
 
-def check_no_sync_in_steady_state(model, ids, options: dict, steps: int = 8) -> dict:
+def check_no_sync_in_steady_state(model, ids, options: dict, steps: int = 8, strict: bool | None = None) -> dict:
     """Decode steps after the first two, with no miss repair (the pipeline alone) and with miss repair on a forced
     all-hit pattern (`ForcedMissCache(miss_rate=0)`), must not synchronize the host with the device except the
-    loop's one deliberate read per step: on CUDA under `torch.cuda.set_sync_debug_mode("error")` (any other
-    synchronizing call raises), on a CPU device counted by `SyncCounter` (at most 2 per step)."""
+    loop's one deliberate read per step.
+
+    `strict` (default: on CUDA) runs those steps under `torch.cuda.set_sync_debug_mode("error")`, where any other
+    synchronizing call raises; else they are counted by `SyncCounter` (at most 2 per step). Either way the region
+    ends where decoding does, before `end_request`: ending a request reads the sequences back and drains the copy
+    stream, synchronizations by design that are no part of a step."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     from ..sync_points import SyncCounter
     from .throughput.forced_miss import ForcedMissCache
 
-    cuda = ids.device.type == "cuda"
+    strict = ids.device.type == "cuda" if strict is None else strict
     details, passed = [], True
     for name, make in (("no repair", lambda: DualDecoderCache(model.config, **options, miss_repair=False,
                                                               retrieval_threads=2)),
                        ("repair, all hits", lambda: ForcedMissCache(model.config, miss_rate=0.0, **options,
                                                                     retrieval_threads=2))):
-        counter = SyncCounter()
+        region = _SteadyRegion(strict, SyncCounter())
 
         class SteadyState(StoppingCriteria):  # called once per step, before the step's read and next forward
-            calls = 0
-
             def __call__(self, input_ids, scores, **kwargs):
-                SteadyState.calls += 1
-                if SteadyState.calls == 3:  # the first two steps set up the pipeline (and repair every row)
-                    if cuda:
-                        torch.cuda.set_sync_debug_mode("error")
-                    else:
-                        counter.__enter__()
+                region.step()
                 return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
+        cache = make()
+        end_request = cache.end_request
+
+        def leave_then_end(*args, **kwargs):
+            region.leave()
+            return end_request(*args, **kwargs)
+
+        cache.end_request = leave_then_end
         try:
-            model.generate(ids, max_new_tokens=steps + 2, do_sample=False, cache=make(),
+            model.generate(ids, max_new_tokens=steps + 2, do_sample=False, cache=cache,
                            stopping_criteria=StoppingCriteriaList([SteadyState()]))
-            if cuda:
-                details.append(f"{name}: {steps} steps, no synchronization raised")
+            if strict:
+                details.append(f"{name}: {region.steps} steps, no synchronization raised")
             else:
-                per_step = counter.total / (SteadyState.calls - 2)  # reads from the third step's on
+                per_step = region.counter.total / region.steps
                 passed &= per_step <= 2
-                details.append(f"{name}: {per_step:.1f} per step ({dict(counter.by_op)})")
+                details.append(f"{name}: {per_step:.1f} per step ({dict(region.counter.by_op)})")
         except RuntimeError as error:
             passed = False
             details.append(f"{name}: {error}")
         finally:
-            if cuda:
-                torch.cuda.set_sync_debug_mode(0)
-            elif SteadyState.calls >= 3:
-                counter.__exit__(None, None, None)
+            region.leave()
+            cache.close()
     return {"check": "no host synchronization inside a steady-state decode step", "passed": passed,
             "detail": "; ".join(details)}
+
+
+class _SteadyRegion:
+    """The steady-state steps of one request: entered at the third step (the first two set up the pipeline and
+    repair every row), left when decoding ends. Strict: under CUDA's sync debug mode "error"; else counted."""
+
+    def __init__(self, strict: bool, counter) -> None:
+        self.strict, self.counter = strict, counter
+        self.calls = self.steps = 0
+        self.inside = False
+
+    def step(self) -> None:
+        self.calls += 1
+        if self.calls == 3:
+            self.inside = True
+            if self.strict:
+                torch.cuda.set_sync_debug_mode("error")
+            else:
+                self.counter.__enter__()
+        if self.inside:
+            self.steps += 1
+
+    def leave(self) -> None:
+        if not self.inside:
+            return
+        self.inside = False
+        if self.strict:
+            torch.cuda.set_sync_debug_mode(0)
+        else:
+            self.counter.__exit__(None, None, None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,15 +233,19 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     selector = DualDecoderConfig().selector
     print(f"# dual-cache GPU check on {name}, default selector {selector!r}", flush=True)
-    checks = check_correctness(device, args.tiny)
-    for check in checks:
+    checks: list[dict] = []
+
+    def finished(check: dict) -> None:  # each verdict printed and written as it comes
+        checks.append(check)
         print(f"- [{'PASS' if check['passed'] else 'FAIL'}] {check['check']}: {check['detail']}", flush=True)
-    elapsed = time.perf_counter() - started
-    print(f"total {elapsed:.0f} s")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gpu_check.json"), "w", encoding="utf-8") as handle:
-            json.dump({"device": name, "selector": selector, "checks": checks, "seconds": elapsed}, handle, indent=1)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "gpu_check.json"), "w", encoding="utf-8") as handle:
+                json.dump({"device": name, "selector": selector, "checks": checks,
+                           "seconds": time.perf_counter() - started}, handle, indent=1)
+
+    check_correctness(device, args.tiny, on_check=finished)
+    print(f"total {time.perf_counter() - started:.0f} s")
     return 0 if all(check["passed"] for check in checks) else 1
 
 

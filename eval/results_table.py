@@ -103,9 +103,10 @@ RULER_NAMES = {"HuggingFaceTB/SmolLM2-135M-Instruct": "SmolLM2-135M", "google/ge
 
 
 def ruler_averages(root: str = "results") -> list[dict]:
-    """One row per (model, length) of the RULER table: the average over the tasks dense can do, dense and the
-    baselines against dual at each budget (difference from dense and its 95% interval at 256)."""
-    from .quality.ruler_table import MIN_DENSE, build_tables
+    """One row per (model, length, decoding) of the RULER table: the average over the tasks dense can do, dense and
+    the baselines against dual at each budget (difference from dense and its 95% interval at 256); a sampled table's
+    row says so, with its settings."""
+    from .quality.ruler_table import MIN_DENSE, build_tables, decoding_text
 
     folder = os.path.join(root, *RULER_TABLE)
     rows = [r for name in sorted(os.listdir(folder)) if name.endswith(".jsonl") and not name.startswith("shared-")
@@ -120,17 +121,17 @@ def ruler_averages(root: str = "results") -> list[dict]:
             f"{label.replace('kvpress-', '')} {avg[label].score:.1f}" for label in table.methods
             if label in avg and label != "dense" and not label.startswith("dual")]
         duals = []
-        for label in table.methods:
-            if label.startswith("dual@") and label in avg:
+        for label in table.methods:  # the default ("dual@B": "@B") and named configurations ("sync-repair@B")
+            if label.startswith("dual") and "@" in label and label in avg:
                 cell = avg[label]
-                text = f"@{label.split('@')[1]} {cell.score:.1f}"
-                if label == "dual@256" and cell.diff is not None:
+                text = f"{label.removeprefix('dual').lstrip('-')} {cell.score:.1f}"
+                if label.endswith("@256") and cell.diff is not None:
                     text += f" ({cell.diff:+.1f} [{cell.diff_low:+.1f}, {cell.diff_high:+.1f}])"
                 duals.append(text)
         name = RULER_NAMES.get(table.model, table.model)
         n_text = str(n[0]) if len(n) == 1 else f"{n[0]}–{n[-1]}"
-        out.append({"measure": f"RULER at {table.length // 1024}K, {name}: average of the {len(table.averaged)} of "
-                               f"{len(table.tasks)} tasks where dense ≥ {MIN_DENSE:.0f} (n = {n_text} per task; "
+        out.append({"measure": f"RULER at {table.length // 1024}K, {name}{decoding_text(table)}: average of the "
+                               f"{len(table.averaged)} of {len(table.tasks)} tasks where dense ≥ {MIN_DENSE:.0f} (n = {n_text} per task; "
                                "[every task](results/eval/ruler-table/ruler_table.md))",
                     "machine": "CPU", "baseline": "; ".join(baselines), "dual": "; ".join(duals),
                     "source": "/".join(("results",) + RULER_TABLE) + "/"})

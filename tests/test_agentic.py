@@ -169,7 +169,7 @@ def test_a_batch_sharing_one_stored_prefix_equals_the_default_cache_at_full_budg
 def test_a_shared_prefix_at_partial_budget_selects_per_sequence_with_repairs():
     model = six_layer_llama(seed=12)
     document, ids, mask = _shared_batch(13, prefix=400, lengths=(6, 12, 9))
-    options = {"budget": 16, "window": 8, "early_layers": 0}
+    options = {"budget": 16, "window": 8, "early_layers": 0, "miss_repair": True}
     with DualDecoderCache(model.config, **options) as cache:
         model.generate(document, max_new_tokens=1, do_sample=False, cache=cache)
         recorded = record_selections(cache, at="release")

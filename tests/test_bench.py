@@ -21,6 +21,8 @@ from tests.conftest import tiny_llama
 
 # tiny_llama: 3 layers, 4 query / 2 KV heads, hidden 64 → head_dim 16, float32
 LAYERS, KV_HEADS, HEAD_DIM, ITEM = 3, 2, 16, 4
+# longer than every selection slot (the first layer's: 2 × 32 fetched + 32 next positions), so no slot is capped
+CONTEXTS = (104, 136)
 
 
 def quiet(_line: str) -> None:
@@ -29,7 +31,7 @@ def quiet(_line: str) -> None:
 
 def small_grid(**changes) -> BenchGrid:
     values = dict(
-        methods=("all", "dual-no-repair", "dual-forced-miss"), batches=(1, 2), contexts=(40, 72), budgets=(16,),
+        methods=("all", "dual-no-repair", "dual-forced-miss"), batches=(1, 2), contexts=CONTEXTS, budgets=(16,),
         new_tokens=5, warmup_steps=1, n_sink=4, window=16, dual_options={"early_layers": 1, "early_layer_budget": 32},
         forced_miss_rate=0.5,
     )
@@ -71,7 +73,7 @@ def test_end_to_end_every_column(result, tmp_path):
             assert 0 <= row["spec_hit_rate"] <= 1
         if row["method"] in ("dense", "dual-none"):
             assert math.isnan(row["spec_hit_rate"])
-    assert {(r["method"], r["context"]) for r in result.max_batch} == {(m, c) for m in methods for c in (40, 72)}
+    assert {(r["method"], r["context"]) for r in result.max_batch} == {(m, c) for m in methods for c in CONTEXTS}
     for found in result.max_batch:
         assert found["limited_by"] in ("host memory", "batch cap") and found["how"] == "measured"
         # the cap: the tiny model's bytes are far below the limits (host stores are sized to the request; the
@@ -110,31 +112,35 @@ def test_dual_memory_and_copies_per_request(result, method):
     # grid: n_sink 4, window 16, budget 16, early_layers 1 with early_layer_budget 32, layers_in_flight 2 (default)
     window = 16
     layer_budgets = [32, 16, 16]
+    # entries per (layer, KV head) each step copies: the library defaults fetch 2 × budget plus budget next positions;
+    # dual-no-repair and the forced-miss repairs fetch the budget alone, and Quest selects the budget at the step
+    slots = layer_budgets if method in ("quest", "dual-no-repair", "dual-forced-miss") else [3 * b for b in layer_budgets]
     entry = 2 * HEAD_DIM * ITEM + 8 + 1  # per selected entry: key + value, int64 index, bool validity
     rows = [r for r in result.cells if r["method"] == method and r["batch"] <= 2]
     assert rows
     device = {(r["context"], r["batch"]): r["device_bytes_per_request"] for r in rows}
     if method == "quest":  # its page metadata (min and max key per page) lives on the device and grows
-        assert device[(72, 1)] > device[(40, 1)]
+        assert device[(CONTEXTS[1], 1)] > device[(CONTEXTS[0], 1)]
     else:  # the method's claim: what the device holds per request does not grow with the context
         assert len(set(device.values())) == 1, device
     for row in rows:
         tokens = row["context"] + row["new_tokens"] - 1
-        assert row["device_bytes_per_request"] < row["dense_equivalent_bytes_per_request"] or row["context"] == 40
+        assert row["device_bytes_per_request"] < row["dense_equivalent_bytes_per_request"] or \
+            row["context"] == CONTEXTS[0]
         assert row["dense_equivalent_bytes_per_request"] == 2 * LAYERS * KV_HEADS * tokens * HEAD_DIM * ITEM
         assert row["host_bytes_per_request"] >= row["dense_equivalent_bytes_per_request"]
         # host→device, whole batch: every layer's selection (entries as above) each decode step; the dual pipeline
         # also copies the first layer's selection for the step after the last one (lookahead 1: issued while the
         # last layer runs, never used), Quest selects at the step that uses it
         steps = row["decode_steps"]
-        total = steps * sum(layer_budgets) + (0 if method == "quest" else layer_budgets[0])
+        total = steps * sum(slots) + (0 if method == "quest" else slots[0])
         prefetched = row["batch"] * KV_HEADS * total * entry
-        # miss repair redoes the selection of a missed step (the first step always) in every layer where the
-        # candidates outnumber the budget (here: not layer 0 at context 40), copying the rows that missed:
-        # between one row and the whole batch per repaired step
+        # miss repair (dual-forced-miss) redoes the selection of a missed step (the first step always) in every layer
+        # where the candidates outnumber the budget, copying the rows that missed: between one row and the whole
+        # batch per repaired step
         repaired_steps = round(row["repaired_fraction"] * steps)
         repairing = [b for b in layer_budgets if row["context"] - window > b]
-        if method in ("dual-self", "dual-ngram", "dual-forced-miss"):
+        if method == "dual-forced-miss":
             assert repaired_steps >= 1
         else:
             assert repaired_steps == 0
@@ -186,6 +192,12 @@ def test_llama8b_shape_without_weights():
     (["--methods", "dual-forced-miss", "--forced-miss-rate", "1.5"], "--forced-miss-rate"),
     (["--methods", "dual-forced-miss", "--forced-miss-rate", "0.2", "--dual-options", '{"miss_repair": false}'],
      "miss_repair"),
+    (["--no-max-batch"], "--no-max-batch"),
+    (["--temperature", "-0.5"], "--temperature"),
+    (["--top-p", "0.9"], "--top-p"),
+    (["--temperature", "0.8", "--top-p", "0"], "--top-p"),
+    (["--sample", "--temperature", "0.7"], "--sample"),
+    (["--model", "tiny", "--prompts", "natural"], "tokenizer"),
 ])
 def test_bad_grids_fail_before_any_model_loads(argv, message, monkeypatch, capsys):
     if "cuda" in argv and torch.cuda.is_available():
@@ -210,6 +222,31 @@ def test_cli_bench_subcommand_runs_on_the_tiny_model(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| dual-none k=16 | 40 | 1 |" in printed
     assert (out / "cells.jsonl").exists() and (out / "table.md").exists()
+
+
+def test_summary_only_with_a_host_limit_and_no_search_writes_one_file(tmp_path, capsys, monkeypatch):
+    """The device script's latency stage: the grid alone, each cell within the host limit given (not 85% of what
+    happens to be available), one file written."""
+    limits = []
+    run_cell = bench.run_cell
+
+    def spy(*args, **kwargs):
+        limits.append(kwargs["host_limit_bytes"])
+        return run_cell(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_cell", spy)
+    out = tmp_path / "run"
+    assert bench.main(["--model", "tiny", "--device", "cpu", "--methods", "dual-none", "--contexts", "40",
+                       "--batches", "1", "2", "--budgets", "16", "--new-tokens", "4", "--warmup-steps", "1",
+                       "--repeats", "1", "--host-budget-gib", "3", "--no-max-batch", "--summary-only",
+                       "--out", str(out)]) == 0
+    assert sorted(path.name for path in out.iterdir()) == ["summary.json"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [cell["batch"] for cell in summary["cells"]] == [1, 2] and summary["max_batch"] == []
+    assert limits and set(limits) == {3 * 2**30}
+    assert "| dual-none k=16 | 40 | 2 |" in capsys.readouterr().out  # the table goes to the log
+    assert bench_report.main([str(out / "summary.json")]) == 0  # and can be printed again from the summary
+    assert "| dual-none k=16 | 40 | 2 |" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("shape", [(1, 24), (2, 24), (1, 3, 24), (2, 4, 24), (9, 24)])
@@ -274,3 +311,49 @@ def test_keep_going_records_a_failed_cell_instead_of_raising(model, monkeypatch)
     assert row["error"] == "failed: TypeError: this cache cannot prefill in chunks"
     with pytest.raises(TypeError):
         run_cell(model, prompts, "dense", 40, 1, None, grid)
+
+
+def test_a_device_clock_gives_each_cell_its_idle_shares(model):
+    """With a device clock (CUDA; here `SimulatedStreams`'), a dual cell reports the share of the step the device
+    waited for copies and the share it had no work while the host selected; overlap is what is left. Without one
+    (a CPU device), NaN."""
+    from dual_cache.eval.throughput.bench_cell import run_cell
+    from dual_cache.eval.throughput.bench_models import PromptSource
+    from dual_cache.streams import simulated_streams
+
+    prompts = PromptSource(None, model.config.vocab_size, torch.device("cpu"))
+    grid = small_grid(dual_options={"retrieval_threads": 1})
+    with simulated_streams(max_delay_s=0.001):
+        row = run_cell(model, prompts, "dual-no-repair", 72, 1, 16, grid)
+    copy, host = row["idle_copy_fraction"], row["idle_host_fraction"]
+    assert 0 <= copy <= 1 and 0 <= host <= 1
+    assert row["overlap_ratio"] == pytest.approx(max(0.0, 1 - copy - host))
+    assert f"({copy:.2f} / {host:.2f})" in bench_report.cell_table([row])
+    plain = run_cell(model, prompts, "dual-no-repair", 72, 1, 16, grid)
+    assert math.isnan(plain["idle_copy_fraction"]) and math.isnan(plain["idle_host_fraction"])
+
+
+def test_sync_points_blocked_time_and_sampling_per_cell(model):
+    """Every cell reports the launch thread's synchronization points and blocked milliseconds per steady-state step
+    and its decoding; the default dual cell at batch 4 under sampling stays at the CI bound (issue 57: ≤ 2 per
+    step), the synchronous repair of the default before it (`dual-sync-repair`) shows its per-layer waits."""
+    from dual_cache.eval.throughput.bench_cell import run_cell
+    from dual_cache.eval.throughput.bench_models import PromptSource
+
+    prompts = PromptSource(None, model.config.vocab_size, torch.device("cpu"))
+    grid = small_grid(temperature=1.0, top_p=0.9, new_tokens=8, warmup_steps=2,
+                      dual_options={"early_layers": 0, "retrieval_threads": 1, "repair_drift": None})
+    rows = {m: run_cell(model, prompts, m, 72, 4, 16, grid) for m in ("dual-self", "dual-sync-repair")}
+    rows["dense"] = run_cell(model, prompts, "dense", 72, 4, None, grid)
+    for method, row in rows.items():
+        assert row["temperature"] == 1.0 and row["top_p"] == 0.9 and row["prompts"] == "needle"
+        assert math.isfinite(row["sync_points_per_step"]) and row["blocked_ms_per_step"] >= 0, method
+        assert sum(row["sync_points_by_op"].values()) == pytest.approx(row["sync_points_per_step"])
+    assert rows["dual-self"]["sync_points_per_step"] <= 2
+    assert rows["dense"]["blocked_ms_per_step"] == 0
+    # random weights miss nearly every step: the synchronous repair waits in every layer of the missed rows
+    assert rows["dual-sync-repair"]["sync_points_per_step"] > rows["dual-self"]["sync_points_per_step"]
+    table = bench_report.cell_table(list(rows.values()))
+    assert "sync/step" in table and "blocked ms/step" in table
+    uncounted = run_cell(model, prompts, "dual-self", 72, 1, 16, small_grid(count_sync_points=False))
+    assert math.isnan(uncounted["sync_points_per_step"]) and math.isfinite(uncounted["blocked_ms_per_step"])

@@ -84,8 +84,11 @@ def test_methods_and_errors(setup, items, tmp_path):
     assert labels == ["dense", "dual@64", "dual@128", "dual-no-repair@256", "dual-none@256", "oracle@256",
                       "streaming@0", "quest@256"]
     assert parse_method("oracle", 128).cache_config == {"budget": 128, "selector": "oracle"}
-    assert parse_method("dual@32", 256).cache_config == {"budget": 32, "miss_repair": True}
-    assert parse_method("dual-no-repair", 64).cache_config == {"budget": 64, "miss_repair": False}
+    assert parse_method("dual@32", 256).cache_config == {"budget": 32}  # the library's defaults
+    assert parse_method("dual-sync-repair", 64).cache_config == {"budget": 64, "miss_repair": True, "fetch_factor": 1,
+                                                                  "fetch_next": False}
+    assert parse_method("dual-no-repair", 64).cache_config == {"budget": 64, "miss_repair": False, "fetch_factor": 1,
+                                                                "fetch_next": False}
     with pytest.raises(ValueError, match="unknown method"):
         parse_method("h2o", 256)
     with pytest.raises(ValueError, match="positive integer budget"):

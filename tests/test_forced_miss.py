@@ -17,17 +17,16 @@ def test_split_has_the_rate_among_live_rows_and_passes_the_first_step_through():
     cache = ForcedMissCache(model.config, miss_rate=0.3, seed=7, **OPTIONS)
     batch = 20_000
     live = tuple(i for i in range(batch) if i % 4)  # finished sequences are never repaired
-    cache.begin_step(StepRows(live, (), live, batch, first=True))  # first step: every live row
-    assert cache.step_rows.repair == live
+    assert cache.begin_step(StepRows(live, (), live, batch, first=True)).rows.repair == live
     hit = [i % 2 == 0 for i in range(batch)]
-    cache.begin_step(StepRows(tuple(i for i in live if not hit[i]), tuple(i for i in live if hit[i]), live, batch))
-    assert set(cache.step_rows.repair) <= set(live)
-    assert len(cache.step_rows.repair) / len(live) == pytest.approx(0.3, abs=0.02)
-    assert cache.step_rows.check == ()  # forced hits are not drift-checked
+    rows = cache.begin_step(StepRows(tuple(i for i in live if not hit[i]), tuple(i for i in live if hit[i]), live,
+                                     batch)).rows
+    assert set(rows.repair) <= set(live)
+    assert len(rows.repair) / len(live) == pytest.approx(0.3, abs=0.02)
+    assert rows.check == ()  # forced hits are not drift-checked
     assert cache.forced_rows == len(live)
     again = ForcedMissCache(model.config, miss_rate=0.3, seed=7, **OPTIONS)
-    again.begin_step(StepRows((), live, live, batch))
-    assert again.step_rows.repair == cache.step_rows.repair  # seeded, whatever the real split
+    assert again.begin_step(StepRows((), live, live, batch)).rows.repair == rows.repair  # seeded, whatever the split
     cache.close()
     again.close()
 
@@ -48,5 +47,5 @@ def test_bad_rates_and_no_repair_are_refused():
     for rate in (-0.1, 1.5, True, "0.2"):
         with pytest.raises(ValueError, match="miss_rate"):
             ForcedMissCache(config, miss_rate=rate, **OPTIONS)
-    with pytest.raises(ValueError, match="miss_repair=True"):
+    with pytest.raises(ValueError, match="miss_repair=False"):
         ForcedMissCache(config, miss_rate=0.2, miss_repair=False, **OPTIONS)

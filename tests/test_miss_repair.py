@@ -9,6 +9,8 @@ from dual_cache.schedule import Selection, TransferSchedule
 from tests.conftest import record_selections, six_layer_llama
 
 NEVER = 95  # a token id the tests forbid the model to emit; the speculator always proposes it
+# the synchronous repair option as defined against the oracle: the selection of exactly the budget, no re-rank
+SYNC = {"miss_repair": True, "fetch_factor": 1, "fetch_next": False}
 
 
 @pytest.fixture
@@ -25,7 +27,7 @@ def test_repair_on_every_step_reproduces_the_oracle_selector(always_miss, thread
     model = six_layer_llama(seed=7)
     ids = torch.randint(3, 90, (2, 300), generator=torch.Generator().manual_seed(8))
     base = {"budget": 16, "n_sink": 4, "window": 8, "early_layers": 1, "early_layer_budget": 24,
-            "retrieval_threads": threads, "layer_budgets": {3: 0}}
+            "retrieval_threads": threads, "layer_budgets": {3: 0}, **SYNC}
     kwargs = dict(max_new_tokens=12, do_sample=False, bad_words_ids=[[NEVER]])
     runs = {}
     for name, options in (("repair", {"selector": "exact"}), ("oracle", {"selector": "oracle"})):
@@ -58,7 +60,8 @@ def test_full_budget_with_repair_matches_dense_and_skips_the_repair():
     ids = torch.randint(3, 90, (2, 200), generator=torch.Generator().manual_seed(12))
     kwargs = dict(max_new_tokens=16, do_sample=False)
     dense = model.generate(ids, **kwargs)
-    out = model.generate(ids, cache_implementation="dual", cache_config={"budget": 256, "early_layers": 0},
+    out = model.generate(ids, cache_implementation="dual", cache_config={"budget": 256, "early_layers": 0,
+                                                                         "miss_repair": True},
                          return_dict_in_generate=True, **kwargs)
     assert torch.equal(dense, out.sequences)
     assert out.cache.stats()["repairs"] == 0  # every candidate fits the budget: any query selects them all
@@ -91,7 +94,7 @@ def test_schedule_repair_replaces_only_the_missed_rows():
 # --- drift repair: hit steps whose real query drifted from the speculated query that chose the entries ----------
 
 def test_query_drift_matches_a_per_group_loop():
-    from dual_cache.layer import query_drift
+    from dual_cache.repair import query_drift
 
     generator = torch.Generator().manual_seed(21)
     batch, kv_heads, group, dim = 3, 2, 4, 8
@@ -114,7 +117,7 @@ def test_zero_drift_threshold_repairs_every_step_like_the_oracle(threads):
     """`repair_drift=0` re-selects hit steps too, so every step selects with the real token's query."""
     model = six_layer_llama(seed=13)
     ids = torch.randint(3, 90, (2, 300), generator=torch.Generator().manual_seed(14))
-    base = {"budget": 16, "n_sink": 4, "window": 8, "early_layers": 0, "retrieval_threads": threads}
+    base = {"budget": 16, "n_sink": 4, "window": 8, "early_layers": 0, "retrieval_threads": threads, **SYNC}
     runs = {}
     for name, options in (("drift0", {"repair_drift": 0.0, "selector": "exact"}), ("oracle", {"selector": "oracle"})):
         cache = DualDecoderCache(model.config, **base, **options)
@@ -135,7 +138,8 @@ def test_unreachable_drift_threshold_is_the_same_as_no_drift_repair():
     ids = torch.randint(3, 90, (2, 300), generator=torch.Generator().manual_seed(15))
     runs = []
     for drift in (None, 1e30, 0.4):
-        cache = DualDecoderCache(model.config, budget=16, n_sink=4, window=8, early_layers=0, repair_drift=drift)
+        cache = DualDecoderCache(model.config, budget=16, n_sink=4, window=8, early_layers=0, repair_drift=drift,
+                                 **SYNC)
         recorded = record_selections(cache, at="release")
         runs.append((model.generate(ids, cache=cache, max_new_tokens=12, do_sample=False), recorded, cache.stats()))
     (off_ids, off_sel, off_stats), (huge_ids, huge_sel, huge_stats), (_, _, default_stats) = runs
@@ -178,7 +182,7 @@ def test_repairing_some_sequences_scores_only_them_with_the_same_result(monkeypa
     ids = torch.randint(3, 90, (3, 260), generator=generator)
     mask = torch.ones_like(ids)
     mask[1, :70] = 0  # a left-padded row
-    options = {"budget": 16, "n_sink": 4, "window": 8, "early_layers": 0, **selector}
+    options = {"budget": 16, "n_sink": 4, "window": 8, "early_layers": 0, **SYNC, **selector}
     subsets = []
 
     def run():

@@ -78,10 +78,12 @@ def test_device_bytes_do_not_depend_on_context_length():
         cache = DualDecoderCache(model.config, **options)
         model.generate(_prompt(43, length), max_new_tokens=3, do_sample=False, cache=cache)
         device[length] = cache.stats()["device_bytes"]
-    # hand computation, fp32: per layer sink (4) + ring (8 + 2) K/V entries; pool: 2 slots × 16 entries × (K, V,
-    # int64 index, bool validity); batch 1, 2 KV heads, head_dim 16
+    # hand computation, fp32: per layer sink (4) + ring (8 + 2) K/V entries; pool: 2 slots × 48 entries (the
+    # default fetch_factor 2 × budget 16, + 16 next positions) × (K, V, int64 index, bool validity); batch 1, 2 KV
+    # heads, head_dim 16
     kv_entry = 2 * 2 * 16 * 4  # K and V of one token over both KV heads
-    expected = 6 * (4 + 10) * kv_entry + 2 * (16 * kv_entry + 2 * 16 * (8 + 1))
+    slot = 2 * 16 + 16
+    expected = 6 * (4 + 10) * kv_entry + 2 * (slot * kv_entry + 2 * slot * (8 + 1))
     assert device[1024] == device[8192] == expected
 
 

@@ -171,9 +171,13 @@ def test_a_cancelled_session_turn_keeps_what_it_stored():
         assert second.wait(120) and second.error is None
         assert scheduler.counters["session_resumes"] == 1
         assert second.prefilled_tokens == user.numel() + 1  # the answer's last token was never fed
-        expected = model.generate(turn[None], max_new_tokens=8, do_sample=False, cache_implementation="dual",
-                                  cache_config=PARTIAL)[0, turn.numel():].tolist()
-        assert second.token_ids == expected
+        # the reference: the same conversation through generate() on one cache, its first turn's tokens decoded
+        # (sparse attention stored their K/V), its second prefilling the answer's last token and the new turn
+        with DualDecoderCache(model.config, **PARTIAL) as cache:
+            answer = model.generate(prompt[None], max_new_tokens=len(first.token_ids), do_sample=False, cache=cache)
+            assert answer[0, prompt.numel():].tolist() == first.token_ids
+            expected = model.generate(turn[None], max_new_tokens=8, do_sample=False, cache=cache)
+        assert second.token_ids == expected[0, turn.numel():].tolist()
     finally:
         scheduler.stop()
 

@@ -103,7 +103,8 @@ def test_overlap_comes_from_the_device_clock_when_there_is_one():
         cache.close()
     stats = cache.stats()
     assert 0 < stats["device_wait_seconds"] < stats["device_step_seconds"]
-    assert stats["overlap_ratio"] == pytest.approx(1 - stats["device_wait_seconds"] / stats["device_step_seconds"])
+    idle = stats["device_wait_seconds"] + stats["device_starved_seconds"]
+    assert stats["overlap_ratio"] == pytest.approx(1 - idle / stats["device_step_seconds"])
     host = DualDecoderCache(model.config, **PARTIAL, retrieval_threads=0)
     model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, cache=host)
     assert host.stats()["device_step_seconds"] == 0 and host.stats()["overlap_ratio"] == 0.0
@@ -131,3 +132,68 @@ def test_an_interrupted_request_leaves_no_copy_stream_behind(error):
                            stopping_criteria=StoppingCriteriaList([Interrupt()]))
     assert cache.closed
     assert not any(t.name.startswith(("dual-simulated", "dual-retriever")) for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("threads", [1, 0])
+def test_a_slow_host_selection_shows_as_device_idle_time(monkeypatch, threads):
+    """The device idles for selections in two ways: waiting for a copy (an event wait), and with no work at all while
+    the launch thread waits for a host selection job (the job still running when its layer acquires; on the
+    synchronous path, the job itself). With copies that land at once and a host selection slowed to 40 ms a layer,
+    nearly all of the step is the second kind: the measure sees at least half the step idle, the copy waits alone
+    (the measure before issue 54) close to none."""
+    from dual_cache.schedule import TransferSchedule
+
+    submit = TransferSchedule.submit
+
+    def slow_submit(self, layer_idx, job, shape, dtype):
+        def slow_job(staging):
+            time.sleep(0.04)
+            job(staging)
+
+        submit(self, layer_idx, slow_job, shape, dtype)
+
+    monkeypatch.setattr(TransferSchedule, "submit", slow_submit)
+    model = six_layer_llama(seed=8)
+    ids, mask = _inputs()
+    cores = torch.get_num_threads()
+    torch.set_num_threads(1)  # the toy model's compute in microseconds, not an oversubscribed machine's barriers
+    try:
+        with simulated_streams(max_delay_s=0.0, seed=4):
+            cache = DualDecoderCache(model.config, **PARTIAL, retrieval_threads=threads)
+            model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, cache=cache)
+            cache.close()
+    finally:
+        torch.set_num_threads(cores)
+    stats = cache.stats()
+    step = stats["device_step_seconds"]
+    assert step > 0
+    assert stats["device_wait_seconds"] + stats["device_starved_seconds"] >= 0.5 * step, stats
+    assert stats["device_wait_seconds"] <= 0.1 * step, stats
+    assert stats["overlap_ratio"] <= 0.5
+
+
+def test_reading_the_device_clock_never_replaces_the_error_that_ended_a_request():
+    """A request that fails mid-step leaves timing events the compute stream never reached; CUDA's `elapsed_time`
+    raises on them ("Both events must be completed"). Closing reads only the pairs that completed."""
+    from dual_cache.schedule import TransferSchedule
+
+    class Event:  # a CUDA timing event's contract: elapsed_time raises unless both ends completed
+        def __init__(self, done: bool, at: float):
+            self.done, self.at = done, at
+
+        def query(self) -> bool:
+            return self.done
+
+        def elapsed_time(self, end) -> float:
+            if not (self.done and end.done):
+                raise RuntimeError("Both events must be completed before calculating elapsed time.")
+            return (end.at - self.at) * 1e3
+
+    schedule = TransferSchedule("cpu", [0, 1], layers_in_flight=2, lookahead=1, threads=0)
+    schedule._step_marks = [Event(True, 0.0), Event(True, 1.0), Event(False, 0.0)]
+    schedule._stalls = [(0, Event(True, 0.0), Event(True, 0.25)), (1, Event(True, 1.0), Event(False, 0.0))]
+    schedule._starved = [(0, Event(True, 0.5), Event(True, 0.75)), (1, Event(False, 0.0), Event(False, 0.0))]
+    schedule.close()
+    assert (schedule.device_step_seconds, schedule.device_wait_seconds, schedule.device_starved_seconds) == \
+        (1.0, 0.25, 0.25)
+    assert schedule.overlap_ratio() == 0.5

@@ -146,9 +146,9 @@ def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor]
         threads: host threads (default `torch.get_num_threads()`); the result does not depend on it.
         values: the value chunks matching `keys` (same shapes and dtype), to gather with `out` (with `Chunks`: None,
             the prepared values are used).
-        out: `(keys_out, values_out)`, each `(b, H_kv, budget, D)` contiguous in the keys' dtype: filled with the
-            rows at the returned indices (an invalid slot gets position 0's rows, as `HostKVStore.gather` of the
-            indices would).
+        out: `(keys_out, values_out)`, each `(b, H_kv, budget, D)` in the keys' dtype, contiguous or the first
+            `budget` slots of a contiguous `(b, H_kv, S, D)` tensor (`S >= budget`): filled with the rows at the
+            returned indices (an invalid slot gets position 0's rows, as `HostKVStore.gather` of the indices would).
         rows: the store's sequences (rows of the chunks and of the index) that the `b` queries belong to, in
             order; None: `0 … b - 1`. A subset costs only its own work (the repair of some sequences of a batch).
 
@@ -189,10 +189,10 @@ def _select(query, mask, prepared: Chunks, budget, scaling, index, shortlist, qu
         if prepared.values is None:
             raise ValueError("select gathers with both `values` and `out`, or neither.")
         shape = (batch, kv_heads, budget, dim)
-        if len(out) != 2 or any(o.shape != shape or o.dtype != keys[0].dtype or not o.is_contiguous()
-                                or o.device.type != "cpu" for o in out):
-            raise ValueError(f"select's `out` must be two contiguous host tensors of shape {shape} and dtype "
-                             f"{keys[0].dtype}.")
+        if len(out) != 2 or any(o.shape != shape or o.dtype != keys[0].dtype or out_slots(o) is None
+                                or o.device.type != "cpu" for o in out) or out_slots(out[0]) != out_slots(out[1]):
+            raise ValueError(f"select's `out` must be two host tensors of shape {shape} and dtype {keys[0].dtype}, "
+                             "contiguous or the leading slots of contiguous (b, H_kv, S, D) tensors alike.")
     if query.dtype != torch.float32 or q_heads % kv_heads or mask.shape[0] != batch or mask.dtype != torch.bool:
         raise ValueError(f"select needs float32 queries (b, H_q, D) with H_q a multiple of H_kv={kv_heads} and a "
                          f"(b, end) bool mask; got query {tuple(query.shape)} {query.dtype}, mask "
@@ -214,6 +214,17 @@ def _select(query, mask, prepared: Chunks, budget, scaling, index, shortlist, qu
     return _native_select(library, query if query.is_contiguous() else query.contiguous(),
                           mask if mask.is_contiguous() else mask.contiguous(), prepared, budget, scaling, index,
                           shortlist, torch.get_num_threads() if threads is None else threads, quads, out, row_array)
+
+
+def out_slots(out: torch.Tensor) -> int | None:
+    """Rows per (sequence, KV head) of the contiguous tensor `out` `(b, H_kv, k, D)` is the first `k` slots of (its
+    own `k` when contiguous), or None when it is not laid out that way."""
+    batch, kv_heads, _, dim = out.shape
+    slots = out.stride(1) // dim if dim else 0
+    if out.stride(-1) != 1 or out.stride(-2) != dim or out.stride(1) != slots * dim or slots < out.shape[2] \
+            or (batch > 1 and out.stride(0) != kv_heads * slots * dim):
+        return None
+    return slots
 
 
 def _reference_select(query, mask, prepared, budget, scaling, index, shortlist, quads, out, rows):
@@ -247,8 +258,10 @@ def _native_select(library, query, mask, keys, budget, scaling, index, shortlist
     if rows is None or not isinstance(rows, ctypes.Array):
         rows = _int64s(range(batch) if rows is None else rows)
     out_keys = out_values = None
+    slots = budget
     if out is not None:
         out_keys, out_values = out[0].data_ptr(), out[1].data_ptr()
+        slots = out_slots(out[0])
     indices = torch.empty(batch, kv_heads, budget, dtype=torch.long)
     valid = torch.empty(batch, kv_heads, budget, dtype=torch.bool)
     table = group_first = n_groups = None
@@ -261,8 +274,8 @@ def _native_select(library, query, mask, keys, budget, scaling, index, shortlist
     status = library.dc_select(
         batch, kv_heads, q_heads // kv_heads, dim, KEY_TYPES[prepared.keys[0].dtype], query.data_ptr(), scaling,
         mask.shape[1], mask.data_ptr(), rows, len(prepared.keys), prepared.table, table, group_first, n_groups,
-        dim_q, quads, shortlist, budget, indices.data_ptr(), valid.data_ptr(), out_keys, out_values, max(1, threads),
-        profile)
+        dim_q, quads, shortlist, budget, indices.data_ptr(), valid.data_ptr(), out_keys, out_values, slots,
+        max(1, threads), profile)
     if status != 0:
         raise MemoryError("The native selection engine could not allocate its scratch memory.")
     profiling.record(profile, batch * kv_heads)

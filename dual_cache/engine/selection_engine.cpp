@@ -77,8 +77,9 @@ struct Call {
   int64_t* out_indices;  // (batch, kv_heads, budget)
   uint8_t* out_valid;    // (batch, kv_heads, budget)
   // optional gather of the selected K/V rows (out_keys == nullptr: none; the chunks' value fields are then unused)
-  char* out_keys;            // (batch, kv_heads, budget, dim) of the key type
-  char* out_values;          // (batch, kv_heads, budget, dim)
+  char* out_keys;            // (batch, kv_heads, out_slots, dim) of the key type: the first budget slots written
+  char* out_values;          // (batch, kv_heads, out_slots, dim)
+  int64_t out_slots;         // rows per (sequence, KV head) of out_keys / out_values (>= budget)
   int64_t* profile;          // (batch * kv_heads, PHASES) nanoseconds per phase, then the call's wall; or nullptr
 };
 
@@ -1586,7 +1587,7 @@ void finish_task(const Call& c, const Slot& sl, Scratch& s, Clock& clock) {
         prefetch_row(static_cast<const char*>(row_at(c, values, out[i + GATHER_FAR], far)), row_bytes, false);
       if (i + GATHER_NEAR < c.budget)
         prefetch_row(static_cast<const char*>(row_at(c, values, out[i + GATHER_NEAR], near)), row_bytes, true);
-      const int64_t at = (task * c.budget + i) * row_bytes;
+      const int64_t at = (task * c.out_slots + i) * row_bytes;
       std::memcpy(c.out_keys + at, row_at(c, keys, out[i], key_hint), row_bytes);
       std::memcpy(c.out_values + at, row_at(c, values, out[i], value_hint), row_bytes);
     }
@@ -1728,11 +1729,12 @@ int dc_select(int64_t batch, int64_t kv_heads, int64_t group, int64_t dim, int k
               float scaling, int64_t end, const uint8_t* mask, const int64_t* rows, int64_t n_segs,
               const int64_t* segs, const int64_t* index, const int64_t* group_first, const int64_t* n_groups,
               int64_t dim_q, int64_t quads, int64_t shortlist, int64_t budget, int64_t* out_indices,
-              uint8_t* out_valid, void* out_keys, void* out_values, int threads, int64_t* profile) {
+              uint8_t* out_valid, void* out_keys, void* out_values, int64_t out_slots, int threads,
+              int64_t* profile) {
   const int64_t started = profile ? now_ns() : 0;
   Call c{batch, kv_heads, group, dim, (dim + LANES - 1) / LANES * LANES, key_type, query, scaling, end, mask, rows,
          n_segs, segs, index, group_first, n_groups, dim_q, quads, shortlist, budget, out_indices, out_valid,
-         static_cast<char*>(out_keys), static_cast<char*>(out_values), profile};
+         static_cast<char*>(out_keys), static_cast<char*>(out_values), out_slots, profile};
   const int64_t tasks = batch * kv_heads;
   // a thread is started per call: only for work that outweighs starting it (the result never depends on it)
   const int64_t worth = std::max<int64_t>(1, tasks * end / MIN_POSITIONS_PER_THREAD);

@@ -19,6 +19,7 @@ from ..sync_points import count_host_wait, uncounted
 from ..schedule import Selection
 
 HostClaim = Callable[[int], None]  # called with a byte count before host memory is allocated; may raise
+OWN_TOP = -2  # a row of attended positions marked so: its query's own top entries stand for them (`Selector.job`)
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,8 @@ class Selector:
         return indices, valid
 
     def job(self, query: torch.Tensor, ready: Any, candidates: Candidates, scaling: float,
-            rows: list[int] | None = None, exact: frozenset[int] = frozenset()) -> Callable[[Selection], None]:
+            rows: list[int] | None = None, exact: frozenset[int] = frozenset(),
+            follow: tuple[torch.Tensor, Any] | None = None) -> Callable[[Selection], None]:
         """A retrieval job for the schedule: this selector's choice for `query`, then the gather of the chosen K/V.
 
         Args:
@@ -186,9 +188,15 @@ class Selector:
                 invalid at 0.
             exact: the sequences (indices into the batch) selected by `select_exact` instead of this selector's
                 own policy: drift repairs (`repair_drift`).
+            follow: for a staging buffer wider than `budget` (`DualDecoderConfig.fetch_next`): `(positions,
+                ready)`, the `(B, H_kv, m)` int64 host positions the real token attended in this step (-1 where
+                none; a row whose first entry is `OWN_TOP`: this query's own top entries, a request's first step,
+                whose query is the prompt's last token's; being copied until `ready.synchronize()`, or `ready`
+                None); the slots past `budget` get the *next* position of each (`next_positions`). None: on a
+                prefetch, every row `OWN_TOP`; on a repair, those slots stay invalid.
 
         Returns:
-            `job(staging)`, filling a host `Selection` of shape `(B, H_kv, budget[, D])` in place.
+            `job(staging)`, filling a host `Selection` of shape `(B, H_kv, S, D)` (`S >= budget`) in place.
         """
         store = self.store
         batch = query.shape[0]
@@ -197,15 +205,18 @@ class Selector:
             if ready is not None:
                 count_host_wait("selection query")  # counted on the launching thread only: the synchronous path
                 ready.synchronize()
+            if follow is not None and follow[1] is not None:
+                follow[1].synchronize()
             with uncounted():  # host tensors only from here on
                 _select(staging)
 
-        def _select(staging: Selection) -> None:
+        def _select(full: Selection) -> None:
             if candidates.end == 0:  # every slot invalid; its K/V zeroed too, as a slot's bytes reach attention
-                for tensor in (staging.indices, staging.valid, staging.keys, staging.values):
+                for tensor in (full.indices, full.valid, full.keys, full.values):
                     tensor.zero_()
                 return
             store.wait_written()
+            staging = full.narrow(self.budget)
             every = rows is None and len(exact) in (0, batch)
             if every:
                 out = (staging.keys, staging.values)
@@ -213,20 +224,68 @@ class Selector:
                                   else self.select_into(query, candidates, scaling, out))
                 staging.indices.copy_(indices)
                 staging.valid.copy_(valid)
-                return
-            staging.indices.zero_()
-            staging.valid.zero_()
-            chosen = list(range(batch)) if rows is None else list(rows)
-            for select, ids in ((self.select_into, [r for r in chosen if r not in exact]),
-                                (self.select_exact, [r for r in chosen if r in exact])):
-                if ids:
-                    shape = (len(ids), *staging.keys.shape[1:])
-                    out = (torch.empty(shape, dtype=staging.keys.dtype), torch.empty(shape, dtype=staging.keys.dtype))
-                    indices, valid = select(query[ids], candidates.subset(ids), scaling, out)
-                    staging.indices[ids], staging.valid[ids] = indices, valid
-                    staging.keys[ids], staging.values[ids] = out
+            else:
+                staging.indices.zero_()
+                staging.valid.zero_()
+                chosen = list(range(batch)) if rows is None else list(rows)
+                for select, ids in ((self.select_into, [r for r in chosen if r not in exact]),
+                                    (self.select_exact, [r for r in chosen if r in exact])):
+                    if ids:
+                        shape = (len(ids), *staging.keys.shape[1:])
+                        out = (torch.empty(shape, dtype=staging.keys.dtype),
+                               torch.empty(shape, dtype=staging.keys.dtype))
+                        indices, valid = select(query[ids], candidates.subset(ids), scaling, out)
+                        staging.indices[ids], staging.valid[ids] = indices, valid
+                        staging.keys[ids], staging.values[ids] = out
+            extra = full.indices.shape[2] - self.budget
+            if extra:
+                attended = None
+                if follow is not None:
+                    attended = follow[0]
+                elif rows is None:  # a request's first step: every row continues this (real) query's own top
+                    attended = torch.full((batch, 1, 1), OWN_TOP, dtype=torch.long)
+                if attended is not None:
+                    attended = self._own_top(attended, query, candidates, scaling, extra)
+                self._fill_next(full.tail(self.budget), staging, attended, candidates)
 
         return run
+
+    def _own_top(self, attended: torch.Tensor, query: torch.Tensor, candidates: Candidates, scaling: float,
+                 count: int) -> torch.Tensor:
+        """`attended` `(B, H_kv or 1, m)` with each row marked `OWN_TOP` (a request's first step: the query is the
+        prompt's last token's, a real one) replaced by the top `count` positions of that row's own query."""
+        own = [b for b in range(attended.shape[0]) if int(attended[b, 0, 0]) == OWN_TOP]
+        if not own:
+            return attended
+        kv_heads = self.store.shape_prefix[1]
+        width = max(count, attended.shape[2])
+        out = torch.full((attended.shape[0], kv_heads, width), -1, dtype=torch.long)
+        out[..., :attended.shape[2]] = attended
+        budget, self.budget = self.budget, count
+        try:
+            positions, valid = self.select(query[own], candidates.subset(own), scaling)
+        finally:
+            self.budget = budget
+        out[own] = -1
+        out[own, :, :count] = torch.where(valid, positions, -1)
+        return out
+
+    def _fill_next(self, tail: Selection, chosen: Selection, attended: torch.Tensor | None,
+                   candidates: Candidates) -> None:
+        """Fill `tail` `(B, H_kv, m[, D])` with the next position of each `attended` position `(B, H_kv, n)` (-1:
+        none; None: every tail slot invalid): a candidate that `chosen` (the leading slots) does not hold already,
+        with its K/V (`next_positions`)."""
+        tail.indices.zero_()
+        tail.valid.zero_()
+        if attended is None:
+            tail.keys.zero_()
+            tail.values.zero_()
+            return
+        width = tail.indices.shape[2]
+        positions, valid = next_positions(attended, chosen.indices, chosen.valid, candidates.mask, width)
+        tail.indices.copy_(positions)
+        tail.valid.copy_(valid)
+        self.store.gather(positions, out=(tail.keys, tail.values), rows=candidates.ids)
 
     def select_exact(self, query: torch.Tensor, candidates: Candidates, scaling: float,
                      out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,3 +324,36 @@ def require_block_multiples(config: Any, selector: str) -> None:
                 f"`{name}`={value} must be a multiple of `block_size`={config.block_size} with "
                 f"selector={selector!r}; change the budget or the block size."
             )
+
+
+def next_positions(attended: torch.Tensor, chosen: torch.Tensor, chosen_valid: torch.Tensor, mask: torch.Tensor,
+                   width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next position of each attended entry, for the entries a copy continues into (induction: a token that
+    attended to position `p` is most often followed by one that attends to `p + 1`).
+
+    Args:
+        attended: `(b, H_kv, n)` int64 positions the real token attended, -1 where none.
+        chosen, chosen_valid: `(b, H_kv, k)` the positions already selected (and which of them are valid).
+        mask: `(b, end)` bool selectable positions.
+        width: slots of the result.
+
+    Returns:
+        `(positions, valid)`, `(b, H_kv, width)`: `p + 1` for attended `p` where `p + 1` is selectable and not
+        among the valid `chosen`, ascending in the valid slots; 0 and False elsewhere.
+    """
+    end = mask.shape[1]
+    after = attended + 1
+    ok = (attended >= 0) & (after < end)
+    after = torch.where(ok, after, 0)
+    ok &= torch.gather(mask[:, None, :].expand(-1, attended.shape[1], -1), 2, after)
+    held = torch.where(chosen_valid, chosen, end).sort(dim=-1).values
+    spot = torch.searchsorted(held, after.contiguous()).clamp_(max=held.shape[-1] - 1)
+    ok &= torch.gather(held, 2, spot) != after
+    key = torch.where(ok, after, end + 1)  # valid first, in ascending order
+    take = min(width, key.shape[-1])
+    order = key.sort(dim=-1).values[..., :take]
+    positions = torch.zeros(*attended.shape[:2], width, dtype=torch.long)
+    valid = torch.zeros(*attended.shape[:2], width, dtype=torch.bool)
+    valid[..., :take] = order < end
+    positions[..., :take] = torch.where(valid[..., :take], order, 0)
+    return positions, valid

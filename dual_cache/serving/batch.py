@@ -52,7 +52,7 @@ class DualBatch:
                  positions: torch.Tensor, keep: int):
         return self.model(input_ids=tokens.to(self.device), attention_mask=None if mask is None else
                           mask.to(self.device), position_ids=positions.to(self.device), use_cache=True,
-                          logits_to_keep=keep, dual_cache=cache, **{self.cache_arg: cache})
+                          logits_to_keep=keep, dual_cache=cache.prefill_call(), **{self.cache_arg: cache})
 
     # --- prefill (one request, on its own cache) -----------------------------------------------------------
     def prefill_chunk(self, row: Row) -> str:
@@ -173,8 +173,8 @@ class DualBatch:
         with torch.inference_mode():
             self.mask = torch.cat([self.mask, self.mask.new_ones(len(rows), 1)], dim=1)
             step_mask = torch.cat([self.mask, self.mask.new_ones(len(rows), step.tokens_per_forward - 1)], dim=1)
-            step_logits, spec_logits = step.forward(cache, real, speculated, [row.length - 1 for row in rows],
-                                                    step_mask, live, hit)
+            step_logits, spec_logits, _ = step.forward(cache, real, speculated, [row.length - 1 for row in rows],
+                                                       step_mask, live, hit)
             logits = to_host(step_logits if spec_logits is None else torch.stack([step_logits, spec_logits], 1))
         hits = steps = 0
         for i, row in enumerate(rows):
@@ -183,7 +183,7 @@ class DualBatch:
             token = row.pick(logits[i] if spec_logits is None else logits[i, 0])
             if speculated is not None:
                 row.last_hit = token == row.speculated
-                row.guess = int(logits[i, 1].argmax())
+                row.guess = row.speculate(logits[i, 1])
                 hits, steps = hits + int(row.last_hit), steps + 1
             row.emit(token, self.decode, self.eos_ids)
         cache.record_speculation(hits, steps)

@@ -10,6 +10,7 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from ..cache import DualDecoderCache
+from ..sampling import StepSampler
 from .logprobs import token_logprobs
 from .requests import RequestHandle
 from .sessions import Session
@@ -32,12 +33,14 @@ class Row:
         prefix_end: where its prefill pauses so the prefix cache copies its prompt's whole blocks (0: it does not).
         ids: `(P + max_tokens + 1,)` int64 buffer of the prompt + generated tokens (the first `length`); the last one
             (`pending`) is not fed yet. Preallocated, so a decode step copies no sequence.
-        guess: the argmax of its speculated slot's logits in the last forward (the model's guess for the token after
-            `speculated`); None before its first decode step (the speculator then starts from prompt lookup, as
+        guess: its speculated slot's guess in the last forward for the token after `speculated` (`speculate`: the
+            argmax, or a coupled sample); None before its first decode step (the speculator then starts from prompt lookup, as
             `generate()` does on its first step).
         speculated: the speculated token fed with `pending` in the last forward, or None.
         last_hit: whether that speculated token equalled the real one; None before its first decode step.
         generator: its own random generator when it samples (seeded by `GenerationOptions.seed` when given).
+        coupled: coupled sampling (`DualDecoderConfig.coupled_sampling`): the guess for its next token is drawn with
+            the noise that will draw that token (`sampling.StepSampler`); False: `torch.multinomial` per token.
     """
 
     handle: RequestHandle
@@ -51,6 +54,7 @@ class Row:
     speculated: int | None = None
     last_hit: bool | None = None
     generator: torch.Generator | None = None
+    coupled: bool = True
 
     def __post_init__(self) -> None:
         prompt = self.handle.prompt
@@ -68,6 +72,7 @@ class Row:
                 self.generator.manual_seed(options.seed)
             else:
                 self.generator.seed()
+        self.sampler = StepSampler(self.generator is not None, self.coupled, self.generator)
 
     @property
     def prompt_len(self) -> int:
@@ -89,17 +94,23 @@ class Row:
 
     def pick(self, logits: torch.Tensor) -> int:
         """The next token from `(V,)` float32 logits: argmax when greedy, else a sample after the request's
-        temperature and top-p (transformers' logits warpers, as `generate()` applies them). With
-        `options.logprobs`, its log-probability under `logits` is recorded in `handle.token_logprobs`."""
-        if self.generator is None:
-            token = int(logits.argmax())
-        else:
-            scores = self.processors(self.tokens[None], logits[None])
-            token = int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=self.generator))
+        temperature and top-p (transformers' logits warpers, as `generate()` applies them; with `coupled`, drawn
+        with the noise its guess was drawn with, `speculate`). With `options.logprobs`, its log-probability under
+        `logits` is recorded in `handle.token_logprobs`."""
+        scores = logits[None] if self.generator is None else self.processors(self.tokens[None], logits[None])
+        token = int(self.sampler.real(scores)[0])
         top = self.handle.options.logprobs
         if top is not None:
             self.handle.token_logprobs += token_logprobs(logits[None], torch.tensor([token]), top)
         return token
+
+    def speculate(self, logits: torch.Tensor) -> int:
+        """The guess for the token after `speculated` from the speculated slot's `(V,)` float32 logits: their argmax
+        when greedy, else (coupled) a sample of its processed scores drawn with the noise the next `pick` uses."""
+        if self.generator is None:
+            return int(logits.argmax())
+        context = torch.cat([self.tokens, torch.tensor([self.speculated], dtype=torch.long)])
+        return int(self.sampler.speculated(self.processors(context[None], logits[None]))[0])
 
     @property
     def wants_prompt_logits(self) -> bool:

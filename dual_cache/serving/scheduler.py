@@ -381,7 +381,7 @@ class Scheduler:
                     continue  # its previous request still runs
             row = None
             try:  # nothing about one request may stop the loop: it fails alone
-                row = Row(handle, session)
+                row = Row(handle, session, coupled=self.dual_config is None or self.dual_config.coupled_sampling)
                 if session is not None and session.cache is not None:
                     self._continue_session(row)
                 needed = self._host_bytes(row)

@@ -2,6 +2,8 @@
 
     dual-decoder eval run --suites ruler fidelity --ruler-tasks niah_single_2 --lengths 4096 8192 \\
         --fidelity-lengths 8192 --samples 4 --budgets 64 128 256 512 --out results/eval/results.jsonl
+    dual-decoder eval run --suites ruler --ruler-tasks niah_single_1 --methods dense dual@256 \
+        --temperature 0.7 --top-p 0.9 --sampling-seeds 2 --out results/eval/sampled.jsonl   (sampled, paired seeds)
     dual-decoder eval report --results results/eval/results.jsonl --out-dir results/eval
     dual-decoder eval export-prompts ... --prompts-out prompts.jsonl   (then eval/card/kvpress_runner.py in its venv)
     dual-decoder eval merge-kvpress --prompts prompts.jsonl --kvpress kvpress.jsonl --out results/eval/results.jsonl
@@ -83,6 +85,16 @@ def add_parser(subparsers) -> None:
     run.add_argument("--no-shared-prefill", action="store_true",
                      help="prefill each prompt once per method (default: once per prompt, every method continuing "
                           "its own copy; the same tokens)")
+    sampled = run.add_argument_group(
+        "sampled decoding", "Greedy unless --temperature is given. Sampled: every prompt is decoded once per sample "
+        "seed s = 0 .. N-1 by every method, torch.manual_seed set before each generate() from (prompt, s), so "
+        "dense and dual rows pair by (prompt, sample seed); rows record the settings and s (eval/quality/sampling.py)")
+    sampled.add_argument("--temperature", type=float, default=None, help="sample at this temperature (> 0)")
+    sampled.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default 1: off)")
+    sampled.add_argument("--top-k", type=int, default=None,
+                         help="top-k sampling (default 0: off, not transformers' 50)")
+    sampled.add_argument("--sampling-seeds", type=int, default=None,
+                         help="N: sample seeds 0 .. N-1 per prompt (default 1)")
     run.set_defaults(func=cmd_run)
 
     report = sub.add_parser("report", help="summary.md and plots from a results JSONL", formatter_class=formatter,
@@ -150,6 +162,23 @@ def _check_args(args) -> None:
                 raise ValueError(f"fidelity length {length} is too short for the forced + greedy tokens.")
 
 
+def _sampling(args):
+    """The run's `Sampling`, or None for greedy decoding (raises ValueError for sampling options without
+    --temperature, values out of range, or the fidelity suite under sampling)."""
+    from .sampling import Sampling
+
+    given = [f"--{name.replace('_', '-')}" for name in ("top_p", "top_k", "sampling_seeds")
+             if getattr(args, name) is not None]
+    if args.temperature is None:
+        if given:
+            raise ValueError(f"{' '.join(given)} apply to sampled decoding: add --temperature (greedy is the default).")
+        return None
+    if "fidelity" in args.suites:
+        raise ValueError("the fidelity suite compares teacher-forced and greedy decoding: run it without --temperature.")
+    return Sampling(args.temperature, 1.0 if args.top_p is None else args.top_p, args.top_k or 0,
+                    1 if args.sampling_seeds is None else args.sampling_seeds)
+
+
 def _methods(args):
     from .methods import parse_method, standard_methods
 
@@ -200,6 +229,7 @@ def cmd_run(args) -> int:
 
     try:
         _check_args(args)
+        sampling = _sampling(args)
         methods = _methods(args)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -211,10 +241,15 @@ def cmd_run(args) -> int:
     except (ValueError, FileNotFoundError) as error:  # the wrapper needs the tokenizer, data files are read here
         print(f"error: {error}", file=sys.stderr)
         return 2
+    from .sampling import settings_text
+
+    decoding = settings_text(None if sampling is None else sampling.settings())
+    if sampling is not None:
+        decoding = f"sampled ({decoding}), {sampling.seeds} seed(s) per prompt"
     print(f"{len(generation)} generation prompts, {len(fidelity)} fidelity samples, methods "
-          f"{[m.label for m in methods]}; rows -> {args.out}", flush=True)
+          f"{[m.label for m in methods]}, {decoding}; rows -> {args.out}", flush=True)
     rows = harness.run(model, tokenizer, methods, args.out, name, generation, fidelity, resume=not args.no_resume,
-                       shared_prefill=not args.no_shared_prefill)
+                       shared_prefill=not args.no_shared_prefill, sampling=sampling)
     print(f"wrote {len(rows)} rows in {time.time() - start:.0f} s", flush=True)
     if args.report_dir:
         from .report import write_report

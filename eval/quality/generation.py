@@ -1,4 +1,5 @@
-"""One greedy `generate()` call for one method, returning the text and the cache's device bytes."""
+"""One `generate()` call for one method (greedy, or sampled from a given seed), returning the text and the cache's
+device bytes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from dual_cache.step import cache_kwarg_name
 
 from .methods import Method
+from .sampling import Sampling
 
 
 @dataclass
@@ -57,34 +59,43 @@ def speculation_stats(cache) -> dict | None:
     return {k: int(stats[k]) for k in ("spec_hits", "spec_steps", "repairs", "drift_repairs") if k in stats}
 
 
+GREEDY = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+
+
 def generate(model, tokenizer, input_ids: list[int], method: Method, max_new_tokens: int, cache=None,
-             **kwargs) -> Generation:
-    """Greedy generation of at most `max_new_tokens` after the prompt `input_ids` (one sequence) with `method`.
+             sampling: Sampling | None = None, seed: int | None = None, **kwargs) -> Generation:
+    """Generation of at most `max_new_tokens` after the prompt `input_ids` (one sequence) with `method`: greedy, or
+    sampled with `sampling`'s settings after `torch.manual_seed(seed)` (the global generator, seeded just before
+    `model.generate`, so calls with the same seed draw the same random numbers; `sampling.torch_seed` derives it).
 
     `cache`: a cache built for `method` that already holds a prefix of the prompt (`shared_prefill.SharedPrefill`);
     only the rest of the prompt is prefilled, and a dual cache is closed when the call ends. None: `method`'s own
     fresh cache. Extra `kwargs` go to `model.generate` (e.g. `logits_processor`, `output_logits`, `min_new_tokens`).
 
     Raises:
-        ValueError: empty prompt or non-positive `max_new_tokens`; RuntimeError: the method cannot run here
-            (`method.skip_reason`).
+        ValueError: empty prompt, non-positive `max_new_tokens`, or `sampling` without a `seed`; RuntimeError: the
+            method cannot run here (`method.skip_reason`).
     """
     if not input_ids:
         raise ValueError("empty prompt.")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+    if sampling is not None and seed is None:
+        raise ValueError("sampled generation needs a seed (sampling.torch_seed(input_ids, sample_seed)).")
     if method.skip_reason:
         raise RuntimeError(f"{method.label} cannot run: {method.skip_reason}")
     ids = torch.tensor([input_ids], device=model.device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     selected = method.generate_kwargs() if cache is None else {cache_kwarg_name(model): cache}
+    decoding = GREEDY if sampling is None else sampling.generate_kwargs()
     start = time.perf_counter()
     try:
+        if sampling is not None:
+            torch.manual_seed(seed)
         with torch.inference_mode():
             output = model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                temperature=None, top_p=None, top_k=None, return_dict_in_generate=True, pad_token_id=pad,
-                **selected, **kwargs,
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                return_dict_in_generate=True, pad_token_id=pad, **decoding, **selected, **kwargs,
             )
         seconds = time.perf_counter() - start
         new_ids = output.sequences[0, ids.shape[1]:].tolist()

@@ -4,7 +4,9 @@ Suites: `ruler` (`ruler.py`, generated offline), `longbench` (`longbench.py`, Hu
 (`fidelity.py`). For each prompt, every method runs back to back; rows are appended (and flushed) as they are
 produced, so a run can be stopped and resumed: rows already in the output file are skipped (`resume=True`). The
 generation suites prefill each prompt once and every method continues its own copy (`shared_prefill.py`; each
-method generates the tokens of its stand-alone run), unless `shared_prefill=False`.
+method generates the tokens of its stand-alone run), unless `shared_prefill=False`. Decoding is greedy unless a
+`sampling.Sampling` is given: then each prompt is decoded once per sample seed by every method, each call seeded
+from (prompt, sample seed) (`sampling.torch_seed`), so dense and dual rows pair by (prompt, sample seed).
 
 Row schema (one JSON object per line; the model-card renderer `dual_cache.eval.card.hub_card` reads it):
 
@@ -27,8 +29,11 @@ Row schema (one JSON object per line; the model-card renderer `dual_cache.eval.c
 | `prefill_seconds` | float or null | wall time of the sample's shared prefill (`shared_prefill.py`), paid once for every method of the sample; null for a stand-alone run |
 | `cache_config` | dict or null | the `cache_config` passed to `generate` (null for dense) |
 | `kl`, `top1`, `identical_tokens`, `forced_tokens`, `greedy_tokens` | | fidelity rows only (KL in nats) |
+| `sampling` | dict | sampled rows only: `{"temperature", "top_p", "top_k"}` as given to `generate` (top-p 1 and top-k 0: off); greedy rows have no such field |
+| `sample_seed`, `torch_seed` | int, int | sampled rows only: the sample seed (0 … seeds - 1) and the `torch.manual_seed` set before the method's `generate()` (`sampling.torch_seed` of the prompt ids and the sample seed) |
 
-Resume key: (dataset, task, method, budget, length, sample, model).
+Resume key: (dataset, task, method, budget, length, sample, model, cache_config), and for sampled rows also
+(sampling, sample_seed): greedy and sampled rows, or rows of different settings, never stand for each other.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from . import fidelity as fidelity_mod
 from .chat_format import PLAIN, PromptFormat
 from .generation import generate
 from .methods import Method
+from .sampling import Sampling, torch_seed
 from .shared_prefill import SharedPrefill
 
 ROW_KEYS = ("dataset", "task", "method", "budget", "length", "sample", "score", "prediction", "reference",
@@ -58,10 +64,14 @@ FIDELITY_TASKS = ("teacher_forced_top1", "greedy_identical")
 
 
 def row_key(row: dict) -> tuple:
-    """The resume key of a row."""
+    """The resume key of a row: its prompt, method, configuration and model; a sampled row's key adds its sampling
+    settings and sample seed (a greedy row's key is the same as before sampling existed)."""
     config = json.dumps(row.get("cache_config"), sort_keys=True)  # e.g. rows from before an option existed
-    return (row["dataset"], row["task"], row["method"], row.get("budget"), row["length"], row["sample"], row.get("model"),
-            config)
+    key = (row["dataset"], row["task"], row["method"], row.get("budget"), row["length"], row["sample"],
+           row.get("model"), config)
+    if row.get("sampling") is not None:
+        key += (json.dumps(row["sampling"], sort_keys=True), row.get("sample_seed"))
+    return key
 
 
 def read_rows(path: str) -> list[dict]:
@@ -207,24 +217,33 @@ def fidelity_items(tokenizer, lengths: list[int], samples: int, forced_tokens: i
             for length in lengths for i in range(samples)]
 
 
-def _base_row(dataset, task, method: Method, length, sample, model_name) -> dict:
-    return {"dataset": dataset, "task": task, "method": method.name, "budget": method.budget, "length": length,
-            "sample": sample, "model": model_name, "cache_config": method.cache_config}
+def _base_row(dataset, task, method: Method, length, sample, model_name, sampling: Sampling | None = None,
+              sample_seed: int | None = None) -> dict:
+    row = {"dataset": dataset, "task": task, "method": method.name, "budget": method.budget, "length": length,
+           "sample": sample, "model": model_name, "cache_config": method.cache_config}
+    if sampling is not None:
+        row.update(sampling=sampling.settings(), sample_seed=sample_seed)
+    return row
 
 
 def run(model, tokenizer, methods: list[Method], out_path: str, model_name: str,
         generation_items: Iterable[GenerationItem] = (), fidelity: Iterable[fidelity_mod.FidelitySample] = (),
-        resume: bool = True, progress: bool = True, log=print, shared_prefill: bool = True) -> list[dict]:
+        resume: bool = True, progress: bool = True, log=print, shared_prefill: bool = True,
+        sampling: Sampling | None = None) -> list[dict]:
     """Run every method on every item, appending rows to `out_path`; returns the rows written in this call.
+
+    `sampling`: None decodes greedily; a `Sampling` decodes each generation item once per sample seed with every
+    method, `torch.manual_seed(torch_seed(item's prompt ids, sample seed))` set before each `generate()` call.
 
     Methods with a `skip_reason` are skipped with a printed reason; a method that raises on a prompt is logged
     and skipped (no row, so a rerun retries it). Fidelity needs `dense` among the methods (it is the reference)
     and runs it first on each sample. With `shared_prefill`, a generation item's prompt (but its last token) is
-    prefilled once for the methods that still lack its row (`shared_prefill.SharedPrefill`); a prefill that fails
-    is logged and those methods run stand-alone.
+    prefilled once for the methods (and sample seeds) that still lack their rows (`shared_prefill.SharedPrefill`);
+    a prefill that fails is logged and those methods run stand-alone.
 
     Raises:
-        ValueError: no methods, duplicate method labels, or fidelity items without a dense method.
+        ValueError: no methods, duplicate method labels, fidelity items without a dense method, or fidelity items
+            with `sampling` (fidelity compares greedy decoding).
     """
     methods = list(methods)
     if not methods:
@@ -235,17 +254,21 @@ def run(model, tokenizer, methods: list[Method], out_path: str, model_name: str,
     generation_items, fidelity = list(generation_items), list(fidelity)
     if fidelity and not any(m.name == "dense" for m in methods):
         raise ValueError("the fidelity suite compares against dense: include the 'dense' method.")
+    if fidelity and sampling is not None:
+        raise ValueError("the fidelity suite compares teacher-forced and greedy decoding: run it without sampling.")
     for method in methods:
         if method.skip_reason:
             log(f"skipping {method.label}: {method.skip_reason}")
     runnable = [m for m in methods if not m.skip_reason]
     writer = RowWriter(out_path, resume=resume)
-    total = (len(generation_items) + len(fidelity)) * len(runnable)
+    seeds = 1 if sampling is None else sampling.seeds
+    total = (len(generation_items) * seeds + len(fidelity)) * len(runnable)
     bar = tqdm(total=total, desc="eval", unit="run", disable=not progress, file=sys.stderr)
     failures: list[tuple] = []
     try:
         for item in generation_items:
-            _run_item(model, tokenizer, runnable, item, writer, model_name, bar, log, failures, shared_prefill)
+            _run_item(model, tokenizer, runnable, item, writer, model_name, bar, log, failures, shared_prefill,
+                      sampling)
         for item in fidelity:
             _run_fidelity(model, tokenizer, runnable, item, writer, model_name, bar, log, failures)
     finally:
@@ -256,10 +279,13 @@ def run(model, tokenizer, methods: list[Method], out_path: str, model_name: str,
 
 
 def _run_item(model, tokenizer, methods: list[Method], item: GenerationItem, writer: RowWriter, model_name: str, bar,
-              log, failures: list, shared_prefill: bool) -> None:
-    """Every method that lacks its row on one generation item, after one shared prefill of its prompt."""
-    rows = [(m, _base_row(item.dataset, item.task, m, item.length, item.sample, model_name)) for m in methods]
-    pending = [(m, row) for m, row in rows if not writer.has(row_key(row))]
+              log, failures: list, shared_prefill: bool, sampling: Sampling | None) -> None:
+    """Every (sample seed, method) that lacks its row on one generation item, after one shared prefill of its
+    prompt; under sampling each call is seeded from (prompt, sample seed), the same seed for every method."""
+    seeds = [None] if sampling is None else list(range(sampling.seeds))
+    rows = [(m, s, _base_row(item.dataset, item.task, m, item.length, item.sample, model_name, sampling, s))
+            for s in seeds for m in methods]
+    pending = [(m, s, row) for m, s, row in rows if not writer.has(row_key(row))]
     bar.update(len(rows) - len(pending))
     if not pending:
         return
@@ -272,19 +298,23 @@ def _run_item(model, tokenizer, methods: list[Method], item: GenerationItem, wri
         except Exception as error:  # the methods can still run on their own
             log(f"shared prefill FAILED on {where} ({type(error).__name__}: {error}); running each method alone")
     try:
-        for method, row in pending:
-            bar.set_postfix_str(f"{where} {method.label}")
+        for method, sample_seed, row in pending:
+            run = method.label if sample_seed is None else f"{method.label} seed {sample_seed}"
+            seed = None if sample_seed is None else torch_seed(item.input_ids, sample_seed)
+            bar.set_postfix_str(f"{where} {run}")
             try:
                 start = time.perf_counter()
                 cache = None if shared is None else shared.cache_for(method)
                 result = generate(model, tokenizer, item.input_ids, method, item.max_new_tokens, cache=cache,
-                                  **item.generate_kwargs)
+                                  sampling=sampling, seed=seed, **item.generate_kwargs)
                 seconds = time.perf_counter() - start
             except Exception as error:  # one failing method must not end a long run; rerun to retry
-                log(f"FAILED {method.label} on {where}: {type(error).__name__}: {error}")
-                failures.append((method.label, item.task, item.length, item.sample, repr(error)))
+                log(f"FAILED {run} on {where}: {type(error).__name__}: {error}")
+                failures.append((run, item.task, item.length, item.sample, repr(error)))
                 bar.update(1)
                 continue
+            if seed is not None:
+                row["torch_seed"] = seed
             row.update(
                 score=float(item.score(result.text)), metric=item.metric, prediction=result.text,
                 reference=item.references, device_bytes=result.device_bytes,

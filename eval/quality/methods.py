@@ -3,8 +3,9 @@
 | method | budget | cache |
 |---|---|---|
 | `dense` | null | transformers' default `DynamicCache` (no `cache_implementation`) |
-| `dual` | b | `cache_config={"budget": b, "miss_repair": True}` (speculated-token selection by the default selector, `lowbit` since 2026-12-04 and `exact` in rows written before, mis-speculated steps, and layers of hit steps whose real query drifted (`repair_drift` 0.4), re-selected with the real token's query; default sink 4, window 64, and the first 2 layers retrieve `max(b, 1024)`) |
-| `dual-no-repair` | b | `{"budget": b, "miss_repair": False}`: speculated-token selection only (the paper's method) |
+| `dual` | b | `cache_config={"budget": b}`, the library defaults: since issue 57 the speculated token's query fetches `2 × b` entries plus the next position of each entry the real token attended, and the real token's query picks `b` of them on the device; rows written before it have `{"budget": b, "miss_repair": True}` (the `dual-sync-repair` configuration; the rows record their `cache_config`). Default selector `lowbit` since 2026-12-04 (`exact` in rows written before); default sink 4, window 64, and the first 2 layers retrieve `max(b, 1024)` |
+| `dual-sync-repair` | b | `{"budget": b, "miss_repair": True, "fetch_factor": 1, "fetch_next": False}`: the default before issue 57: mis-speculated steps, and layers of hit steps whose real query drifted (`repair_drift` 0.4), re-selected with the real token's query, the step waiting for the host |
+| `dual-no-repair` | b | `{"budget": b, "miss_repair": False, "fetch_factor": 1, "fetch_next": False}`: speculated-token selection only (the paper's method) |
 | `dual-none` | b | `{"budget": b, "speculator": "none"}`: the previous real token's selection (what speculation buys) |
 | `oracle` | b | `{"budget": b, "selector": "oracle"}`: the real token's own top-k (upper bound) |
 | `streaming` | 0 | `{"budget": 0, "early_layers": 0, "speculator": "none"}`: StreamingLLM-style sink + window only |
@@ -28,13 +29,15 @@ from typing import Any
 CACHE_CONFIGS: dict[str, dict[str, Any] | None] = {
     "dense": None,  # transformers' default DynamicCache
     "offloaded": None,  # transformers' cache_implementation="offloaded" (CUDA; throughput benchmark)
-    "dual": {"miss_repair": True},  # the library defaults
+    "dual": {},  # the library defaults
+    "dual-sync-repair": {"miss_repair": True, "fetch_factor": 1, "fetch_next": False},  # the default before issue 57
     "dual-self": {"speculator": "self"},
     "dual-ngram": {"speculator": "ngram"},
     "dual-none": {"speculator": "none"},  # the previous real token's selection: what speculation buys
-    "dual-no-repair": {"miss_repair": False},  # speculated-token selection only (the paper's method)
-    "dual-no-drift": {"repair_drift": None},
-    "dual-forced-miss": {"speculator": "self", "miss_repair": True},  # with eval/throughput/forced_miss.py (benchmark only)
+    "dual-no-repair": {"miss_repair": False, "fetch_factor": 1, "fetch_next": False},  # the paper's method
+    "dual-no-drift": {"miss_repair": True, "fetch_factor": 1, "fetch_next": False, "repair_drift": None},
+    # with eval/throughput/forced_miss.py (benchmark only): the synchronous repair at a forced miss rate
+    "dual-forced-miss": {"speculator": "self", "miss_repair": True, "fetch_factor": 1, "fetch_next": False},
     "dual-exact": {"selector": "exact"},
     "dual-lowbit": {"selector": "lowbit"},  # the 2-bit key index + exact rescoring (native engine)
     "oracle": {"selector": "oracle"},  # the real token's own top-k: upper bound
@@ -58,8 +61,8 @@ def cache_config(name: str, budget: int | None = None) -> dict[str, Any] | None:
     return {"budget": budget, **config} if budget is not None and "budget" not in config else dict(config)
 
 
-METHOD_NAMES = ("dense", "dual", "dual-no-repair", "dual-none", "dual-lowbit", "dual-exact", "oracle", "streaming",
-                "quest")  # what the evaluation harness runs
+METHOD_NAMES = ("dense", "dual", "dual-sync-repair", "dual-no-repair", "dual-none", "dual-lowbit", "dual-exact", "oracle",
+                "streaming", "quest")  # what the evaluation harness runs
 
 
 @dataclass(frozen=True)

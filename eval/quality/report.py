@@ -3,7 +3,8 @@
 `write_report(rows, out_dir)` writes `summary.md` (scores per method and task × length with sample counts and
 device bytes; a fidelity table with KL, top-1 agreement and identical greedy length), `score_vs_budget.png`
 (one panel per task × length) and `fidelity_vs_budget.png`. Methods without a budget sweep (dense, streaming)
-are drawn as horizontal reference lines.
+are drawn as horizontal reference lines. Sampled rows (`sampling` field) are shown apart from greedy ones, their
+method named with the settings ("dense (sampled: temperature 0.7, top-p 0.9, top-k off)").
 """
 
 from __future__ import annotations
@@ -13,14 +14,27 @@ from collections import defaultdict
 from statistics import mean
 
 from ..outputs import mib
+from .sampling import settings_text
 
-METHOD_ORDER = ("dense", "dual", "dual-no-repair", "dual-none", "oracle", "quest", "streaming")
+METHOD_ORDER = ("dense", "dual", "dual-sync-repair", "dual-no-repair", "dual-none", "oracle", "quest", "streaming")
 
 
 def _method_sort_key(key: tuple) -> tuple:
     name, budget = key
-    rank = METHOD_ORDER.index(name) if name in METHOD_ORDER else len(METHOD_ORDER)
-    return (rank, name, -1 if budget is None else budget)
+    base = _base_name(name)
+    rank = METHOD_ORDER.index(base) if base in METHOD_ORDER else len(METHOD_ORDER)
+    return (rank, base, -1 if budget is None else budget, name)
+
+
+def _method_name(row: dict) -> str:
+    """The row's method, with its sampling settings when it was sampled."""
+    sampling = row.get("sampling")
+    return row["method"] if sampling is None else f"{row['method']} (sampled: {settings_text(sampling)})"
+
+
+def _base_name(name: str) -> str:
+    """`dense` of `dense (sampled: ...)`."""
+    return name.split(" (sampled", 1)[0]
 
 
 def _label(name: str, budget) -> str:
@@ -47,13 +61,13 @@ def summary_markdown(rows: list[dict]) -> str:
     gen = [r for r in rows if r["dataset"] != "fidelity"]
     if gen:
         columns = sorted({(r["dataset"], r["task"], r["length"]) for r in gen})
-        methods = sorted({(r["method"], r.get("budget")) for r in gen}, key=_method_sort_key)
+        methods = sorted({(_method_name(r), r.get("budget")) for r in gen}, key=_method_sort_key)
         lengths = sorted({r["length"] for r in gen})
         cells: dict = defaultdict(list)
         device: dict = defaultdict(list)
         for r in gen:
-            cells[(r["method"], r.get("budget"), r["dataset"], r["task"], r["length"])].append(r["score"])
-            device[(r["method"], r.get("budget"), r["length"])].append(r.get("device_bytes"))
+            cells[(_method_name(r), r.get("budget"), r["dataset"], r["task"], r["length"])].append(r["score"])
+            device[(_method_name(r), r.get("budget"), r["length"])].append(r.get("device_bytes"))
         header = ["method", "budget"] + [f"{d} {t} {_length_label(n)}" for d, t, n in columns] + [
             f"device MiB {_length_label(n)}" for n in lengths]
         lines += ["## Task scores\n", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -86,10 +100,10 @@ def summary_markdown(rows: list[dict]) -> str:
 
 
 def _series(rows: list[dict], value) -> dict:
-    """{(method, budget): mean value} over `rows`."""
+    """{(method, budget): mean value} over `rows` (sampled rows: the method named with its settings)."""
     groups: dict = defaultdict(list)
     for r in rows:
-        groups[(r["method"], r.get("budget"))].append(value(r))
+        groups[(_method_name(r), r.get("budget"))].append(value(r))
     return {k: mean(v) for k, v in groups.items()}
 
 
@@ -102,9 +116,9 @@ def _draw(ax, series: dict, ylabel: str, title: str) -> None:
     for name in sorted(by_method, key=lambda n: _method_sort_key((n, 0))):
         points = sorted(by_method[name], key=lambda p: -1 if p[0] is None else p[0])
         swept = [(b, v) for b, v in points if b]
-        if name in ("dense", "streaming") or not swept:
+        if _base_name(name) in ("dense", "streaming") or not swept:
             for b, v in points:
-                ax.axhline(v, linestyle=next(styles, "--"), color="gray" if name == "dense" else "black",
+                ax.axhline(v, linestyle=next(styles, "--"), color="gray" if _base_name(name) == "dense" else "black",
                            label=_label(name, b), linewidth=1)
             continue
         ax.plot([b for b, _ in swept], [v for _, v in swept], marker=next(markers, "o"), label=name,

@@ -27,7 +27,7 @@ the prompt, per layer, per sequence), `effective_gbps` (key bytes read per secon
 (`effective_gbps / host_read_gbps`: how close the selection comes to the host's bandwidth), `engine` (the native
 engine variant, or `torch` for `torch-exact`), and `exact / this` from the same run. Timings do not depend on
 key values; quality is measured on real keys by `dual_cache.eval.selection.selection_recall`. Writes `<out>.json` and
-`<out>.md`.
+`<out>.md`, rewritten after every cell.
 """
 
 from __future__ import annotations
@@ -297,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     args.bandwidth = {threads: host_read_gbps(threads)
                       for threads in sorted({*(p for p in args.pools if p > 1), *thread_counts})}
     rows = []
+    out = args.out or default_out("bench-retrieval")
     highest = load_average()
     for context in args.contexts:
         for batch in args.batches:
@@ -306,12 +307,13 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append(row)
                         print(json.dumps(row), flush=True)
                     highest = max(highest, load_average())
+                    write_rows_and_table(out, rows, markdown(rows, args))  # a run cut short keeps its cells
     table = markdown(rows, args)
     warning = load_warning(highest)
     if warning:
         table = warning + "\n\n" + table
     print(table)
-    paths = write_rows_and_table(args.out or default_out("bench-retrieval"), rows, table)
+    paths = write_rows_and_table(out, rows, table)
     print("wrote " + ", ".join(paths))
     return 0
 

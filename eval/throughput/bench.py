@@ -6,7 +6,8 @@ Run it as `dual-decoder bench ...` (see `bench_cli.py`) or `python -m dual_cache
 `bench_accounting.py` (cache bytes), `bench_capacity.py` (max-batch search), `bench_report.py` (tables, plots),
 `forced_miss.py` (the benchmark-only forced miss rate); this file runs a whole grid and holds the command line.
 
-Per cell (one `generate()` call of `batch` prompts of `context` tokens, `new_tokens` new tokens each; run `--repeats`
+Per cell (one `generate()` call of `batch` prompts of `context` tokens (`--prompts`: needle questions or natural
+text, one seed per row), `new_tokens` new tokens each; run `--repeats`
 times, round by round with the methods of a context and batch in a rotated order, the timings reported as the median
 of the runs with `<field>_min` / `<field>_max` beside it, `eval/spread.py`) it records:
 
@@ -27,10 +28,19 @@ of the runs with `<field>_min` / `<field>_max` beside it, `eval/spread.py`) it r
 - `host_bytes_per_request`: KV bytes in host memory per sequence (dual host store; offloaded: the whole cache);
 - `bytes_copied_per_step`: host→device bytes per decode step for the whole batch (dual: selections;
   offloaded: every layer is prefetched once per step, so the whole cache at its final size; dense: 0);
-- `overlap_ratio`, `wait_seconds`: the dual pipeline's telemetry (`cache.stats()`), NaN where absent;
+- `overlap_ratio`, `wait_seconds`: the dual pipeline's telemetry (`cache.stats()`), NaN where absent; on CUDA
+  `idle_copy_fraction` and `idle_host_fraction`, the shares of the device's step time it idled waiting for selection
+  copies and without work while the launch thread waited on host selection (`overlap_ratio` is 1 − their sum);
+- `sync_points_per_step`: the launch thread's synchronization points per decode step after the warm-up steps (mean;
+  `dual_cache.sync_points.SyncCounter` around `generate()`, read at each generated token), and `sync_points_by_op`
+  the same by operation; NaN for `offloaded` and with counting off (`BenchGrid.count_sync_points`);
+- `blocked_ms_per_step`: milliseconds per decode step after the warm-up steps (mean) the launch thread waited for
+  host selection (the dual cache's `wait_seconds`: retrieval it ran in line or waited for, a CPU device's copies,
+  synchronous miss repairs; 0 for dense, which never selects; NaN for `offloaded`; `launch_thread.py` defines it);
 - `spec_hit_rate`: speculated tokens equal to the real next token / speculated tokens (dual only);
 - `repaired_fraction`: decode steps in which miss repair redid any selection (a miss, or a drifted query on a hit:
-  `repair_drift`) / decode steps (dual only; `miss_repair`); `forced_miss_rate`: `dual-forced-miss` only.
+  `repair_drift`) / decode steps (dual only; `miss_repair`); `forced_miss_rate`: `dual-forced-miss` only;
+- `prompts`, `temperature`, `top_p`: the prompts (`needle` or `natural`) and the decoding (temperature 0: greedy).
 
 Max batch (`--device-budget-gib` and / or `--host-budget-gib`): for each method, context and budget, the largest
 batch that fits the device cap and the host memory, found and measured by `bench_capacity.find_max_batch`; its
@@ -60,13 +70,14 @@ from ...cache import available_host_bytes
 from .bench_capacity import GIB, MemoryLimits, apply_device_cap, find_max_batch
 from .. import spread
 from .bench_cell import run_cell
-from .bench_grid import ALL_METHODS, CPU_LINEARS, BenchGrid, skipped_methods
+from .bench_grid import ALL_METHODS, CPU_LINEARS, PROMPT_KINDS, BenchGrid, skipped_methods
 from .bench_models import NAMED_MODELS, PromptSource, load_bench_model, weight_bytes
 from ..outputs import default_out
 from .cpu_linear import gemm_linears
 
 
-TIMED = ("prefill_s", "decode_tokens_per_s", "ms_per_step", "overlap_ratio", "wait_seconds")  # vary between runs
+TIMED = ("prefill_s", "decode_tokens_per_s", "ms_per_step", "overlap_ratio", "idle_copy_fraction", "idle_host_fraction",
+         "wait_seconds", "blocked_ms_per_step", "sync_points_per_step")  # vary between runs
 
 
 @dataclass
@@ -82,13 +93,15 @@ class BenchResult:
 def run_bench(model, tokenizer, grid: BenchGrid, limits: MemoryLimits | None = None, model_name: str = "",
               max_batch_cap: int = 256, max_cell_seconds: float | None = None, log: Callable[[str], None] = print,
               on_progress: Callable[[BenchResult], None] | None = None, keep_going: bool = False,
-              repeats: int = 1) -> BenchResult:
+              repeats: int = 1, max_batch: bool = True) -> BenchResult:
     """Measure every cell of `grid` on `model` (already loaded), with `limits` each method's max batch first.
 
     Args:
         tokenizer: None for random-weight models (random prompt ids).
-        limits: device cap and host memory for the max-batch search (a device cap on CUDA must already be applied,
-            `bench_capacity.apply_device_cap`); None skips it.
+        limits: device cap and host memory for the max-batch search and for every cell (a device cap on CUDA must
+            already be applied, `bench_capacity.apply_device_cap`); None: no search, each cell's host memory
+            limited to 85% of what is available when it starts.
+        max_batch: False measures the grid alone (each cell still within `limits`), without the search.
         max_batch_cap: largest batch the search considers. max_cell_seconds: see `find_max_batch`.
         log: where progress lines go (each finished cell's JSON too).
         on_progress: called with the result so far after each cell and each max-batch row (e.g. to write files,
@@ -111,17 +124,17 @@ def run_bench(model, tokenizer, grid: BenchGrid, limits: MemoryLimits | None = N
     linears = gemm_linears(model) if grid.cpu_linear == "gemm" else contextlib.nullcontext()
     with linears:
         return _run_bench(model, tokenizer, grid, limits, model_name, max_batch_cap, max_cell_seconds, log,
-                          on_progress or (lambda result: None), keep_going, repeats)
+                          on_progress or (lambda result: None), keep_going, repeats, max_batch)
 
 
 def _run_bench(model, tokenizer, grid, limits, model_name, max_batch_cap, max_cell_seconds, log, on_progress,
-               keep_going, repeats):
+               keep_going, repeats, max_batch):
     device = model.device
     skip = skipped_methods(grid, device)
     for method, reason in skip.items():
         log(f"skip {method}: {reason}")
     vocab = model.config.get_text_config(decoder=True).vocab_size
-    prompts = PromptSource(tokenizer, vocab, device)
+    prompts = PromptSource(tokenizer, vocab, device, kind=grid.prompts)
     weights = weight_bytes(model)
     result = BenchResult(meta={
         "model": model_name, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
@@ -171,7 +184,7 @@ def _run_bench(model, tokenizer, grid, limits, model_name, max_batch_cap, max_ce
     warning = spread.load_warning(result.meta["load_average_max"])
     if warning:
         log(warning)
-    if limits is not None:  # method by method, so each one's max-batch row lands before the next method starts
+    if limits is not None and max_batch:  # method by method: each one's max-batch row lands before the next starts
         for context in grid.contexts:
             for method in grid.expanded_methods():
                 if method in skip:
@@ -207,16 +220,18 @@ def _jsonable(value):
 
 
 def write_result(result: BenchResult, out_dir: str, plots: bool = True, cells_jsonl: bool = True,
-                 log: Callable[[str], None] = print) -> dict:
+                 log: Callable[[str], None] = print, table: bool = True) -> dict:
     """Write `cells.jsonl` (one JSON object per cell; `summary.json` holds the same rows), `summary.json`,
-    `table.md` and the plots under `out_dir`.
+    `table.md` and the plots under `out_dir` (`summary.json` always, the others as asked).
 
     Returns `{kind: path}` of the files written.
     """
     from . import bench_report
 
     os.makedirs(out_dir, exist_ok=True)
-    paths = {"summary": os.path.join(out_dir, "summary.json"), "table": os.path.join(out_dir, "table.md")}
+    paths = {"summary": os.path.join(out_dir, "summary.json")}
+    if table:
+        paths["table"] = os.path.join(out_dir, "table.md")
     if cells_jsonl:
         paths["cells"] = os.path.join(out_dir, "cells.jsonl")
         with open(paths["cells"], "w", encoding="utf-8") as handle:
@@ -224,8 +239,9 @@ def write_result(result: BenchResult, out_dir: str, plots: bool = True, cells_js
                 handle.write(json.dumps(_jsonable(row)) + "\n")
     with open(paths["summary"], "w", encoding="utf-8") as handle:
         json.dump(_jsonable(asdict(result)), handle, indent=1)
-    with open(paths["table"], "w", encoding="utf-8") as handle:
-        handle.write(bench_report.render_markdown(result))
+    if table:
+        with open(paths["table"], "w", encoding="utf-8") as handle:
+            handle.write(bench_report.render_markdown(result))
     if plots:
         paths.update(bench_report.plot_all(result, out_dir, log=log))
     return paths
@@ -252,8 +268,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="where the model runs (auto: CUDA when available)")
     parser.add_argument("--methods", nargs="+", default=["all"],
-                        help=f"from {', '.join(ALL_METHODS)}, run in this order; aliases: dual (every speculator), "
-                             "all (default: every method but dual-no-repair and dual-forced-miss)")
+                        help=f"from {', '.join(ALL_METHODS)}, run in this order (dual-self: the library defaults, "
+                             "the registry's dual; dual-sync-repair: the default before issue 57); aliases: dual "
+                             "(every speculator), all (default: every method but dual-no-repair, dual-sync-repair "
+                             "and dual-forced-miss)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1], help="sequences per generate() call")
     parser.add_argument("--contexts", type=int, nargs="+", default=None,
                         help="prompt tokens (default: 2048 4096 8192 on CPU, 32768 131072 on CUDA)")
@@ -264,7 +282,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-sink", type=int, default=4, help="dual sink tokens")
     parser.add_argument("--window", type=int, default=64, help="dual local window (tokens)")
     parser.add_argument("--prefill-chunk-size", type=int, default=8192, help="prompt tokens per prefill forward")
-    parser.add_argument("--sample", action="store_true", help="sample at temperature 1 instead of greedy")
+    parser.add_argument("--prompts", default="needle", choices=PROMPT_KINDS,
+                        help="needle: a word-needle question over the Python reference per row; natural: a passage of "
+                             "the RULER essay haystack per row, asked to be continued (eval/quality/natural_text.py); "
+                             "rows use seeds 0, 1, ... (random ids for random-weight models, which refuse natural)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="sample at this temperature (top-k off; the torch generator seeded with 0 per cell); "
+                             "default greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass kept when sampling (1: off)")
+    parser.add_argument("--sample", action="store_true", help="the same as --temperature 1")
+    parser.add_argument("--no-sync-points", action="store_true",
+                        help="do not count the launch thread's synchronization points (counted by default, during "
+                             "the timed runs: a TorchFunctionMode that adds Python work to every torch call, so "
+                             "compare timings with it off)")
     parser.add_argument("--dual-options", type=_json_object, default={},
                         help='further DualDecoderConfig fields as JSON, e.g. \'{"early_layers": 0}\'')
     parser.add_argument("--forced-miss-rate", type=float, default=None,
@@ -296,6 +326,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-plots", action="store_true", help="skip the matplotlib plots")
     parser.add_argument("--no-cells-jsonl", action="store_true",
                         help="skip cells.jsonl (summary.json holds the same rows; fewer files to bring back)")
+    parser.add_argument("--summary-only", action="store_true",
+                        help="write summary.json alone, after every cell (no cells.jsonl, table.md or plots; the "
+                             "tables are printed): one file to bring back")
+    parser.add_argument("--no-max-batch", action="store_true",
+                        help="with --device-budget-gib / --host-budget-gib: measure the --batches grid alone, "
+                             "each cell within those limits, without the max-batch search")
 
 
 def grid_from_args(args) -> BenchGrid:
@@ -303,13 +339,29 @@ def grid_from_args(args) -> BenchGrid:
     return BenchGrid(
         methods=tuple(args.methods), batches=tuple(args.batches), contexts=tuple(args.contexts),
         budgets=tuple(args.budgets), new_tokens=args.new_tokens, warmup_steps=args.warmup_steps,
-        n_sink=args.n_sink, window=args.window, prefill_chunk_size=args.prefill_chunk_size, do_sample=args.sample,
+        n_sink=args.n_sink, window=args.window, prefill_chunk_size=args.prefill_chunk_size,
+        temperature=temperature_from_args(args), top_p=args.top_p, prompts=args.prompts,
         dual_options=dict(args.dual_options), forced_miss_rate=args.forced_miss_rate, cpu_linear=args.cpu_linear,
+        count_sync_points=not args.no_sync_points,
     )
 
 
+def temperature_from_args(args) -> float:
+    """The sampling temperature of `--temperature` / `--sample` (0: greedy).
+
+    Raises:
+        ValueError: both given with different temperatures.
+    """
+    if args.sample:
+        if args.temperature is not None and args.temperature != 1.0:
+            raise ValueError(f"--sample means --temperature 1; drop it to sample at {args.temperature}.")
+        return 1.0
+    return 0.0 if args.temperature is None else args.temperature
+
+
 def limits_from_args(args, device: torch.device) -> MemoryLimits | None:
-    """The max-batch search's limits (None without `--device-budget-gib` / `--host-budget-gib`)."""
+    """The limits of the max-batch search and of every cell (None without `--device-budget-gib` /
+    `--host-budget-gib`)."""
     if args.device_budget_gib is None and args.host_budget_gib is None:
         return None
     host = args.host_budget_gib * GIB if args.host_budget_gib is not None else 0.9 * available_host_bytes()
@@ -333,7 +385,10 @@ def run_from_args(args) -> int:
         if model_name == "embedded" or (model_name not in NAMED_MODELS):
             small = [c for c in args.contexts if c < 128]
             if small:
-                raise ValueError(f"--contexts {small}: needle prompts need at least 128 tokens.")
+                raise ValueError(f"--contexts {small}: needle and natural-text prompts need at least 128 tokens.")
+        elif args.prompts == "natural":
+            raise ValueError(f"--prompts natural needs a model with a tokenizer; --model {model_name} is random "
+                             "weights (random prompt ids): use --model embedded or a path / Hub id.")
         grid = grid_from_args(args)
         grid.validate()
         for name in ("device_budget_gib", "host_budget_gib", "max_cell_seconds"):
@@ -342,6 +397,9 @@ def run_from_args(args) -> int:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}.")
         if args.repeats < 1:
             raise ValueError(f"--repeats must be >= 1, got {args.repeats}.")
+        if args.no_max_batch and args.device_budget_gib is None and args.host_budget_gib is None:
+            raise ValueError("--no-max-batch keeps the grid within --device-budget-gib / --host-budget-gib; give "
+                             "one of them (without them there is no max-batch search to skip).")
         if args.max_batch_cap < 1:
             raise ValueError(f"--max-batch-cap must be >= 1, got {args.max_batch_cap}.")
         if args.threads is not None and args.threads < 1:
@@ -362,16 +420,16 @@ def run_from_args(args) -> int:
     out_dir = args.out or default_out("bench", f"{device.type}-{os.path.basename(model_name)}")
     print(f"loading {model_name} on {device} ...", flush=True)
     model, tokenizer = load_bench_model(model_name, device)
+    files = {"cells_jsonl": not (args.no_cells_jsonl or args.summary_only), "table": not args.summary_only}
     result = run_bench(model, tokenizer, grid, limits=limits, model_name=model_name,
                        max_batch_cap=args.max_batch_cap, max_cell_seconds=args.max_cell_seconds,
-                       keep_going=args.keep_going, repeats=args.repeats,
-                       on_progress=lambda partial: write_result(partial, out_dir, plots=False,
-                                                                cells_jsonl=not args.no_cells_jsonl))
+                       keep_going=args.keep_going, repeats=args.repeats, max_batch=not args.no_max_batch,
+                       on_progress=lambda partial: write_result(partial, out_dir, plots=False, **files))
     from . import bench_report
 
     print()
     print(bench_report.render_markdown(result))
-    paths = write_result(result, out_dir, plots=not args.no_plots, cells_jsonl=not args.no_cells_jsonl)
+    paths = write_result(result, out_dir, plots=not (args.no_plots or args.summary_only), **files)
     print("wrote " + ", ".join(paths.values()))
     return 0
 

@@ -1,8 +1,10 @@
-"""One benchmark cell: one `generate()` of `batch` prompts of `context` tokens, timed per step, its memory and the
-cache's telemetry as one row (keys `COLUMNS`; see `bench.py` for what each column means)."""
+"""One benchmark cell: one `generate()` of `batch` prompts of `context` tokens, timed per step, its memory, the
+cache's telemetry and the launch thread's synchronization points and blocked time per step (`launch_thread.py`) as
+one row (keys `COLUMNS`; see `bench.py` for what each column means)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import statistics
@@ -17,6 +19,7 @@ from ...timing import TimingStreamer
 from .bench_accounting import cache_accounting
 from .bench_grid import BUDGETED, FORCED_MISS, BenchGrid
 from .bench_models import PromptSource, kv_bytes_estimate
+from .launch_thread import StepProbe
 
 NAN = float("nan")
 GIB = 1024 ** 3
@@ -27,14 +30,17 @@ COLUMNS = (
     "prefill_s", "decode_tokens_per_s", "ms_per_step",
     "device_bytes_per_request", "cuda_peak_bytes_per_request", "cuda_decode_peak_bytes_per_request",
     "cuda_peak_total_bytes", "cuda_decode_peak_total_bytes", "host_bytes_per_request",
-    "dense_equivalent_bytes_per_request", "bytes_copied_per_step", "overlap_ratio", "wait_seconds",
-    "spec_hit_rate", "repaired_fraction", "forced_miss_rate", "threads", "error",
+    "dense_equivalent_bytes_per_request", "bytes_copied_per_step", "overlap_ratio", "idle_copy_fraction",
+    "idle_host_fraction", "wait_seconds", "sync_points_per_step", "sync_points_by_op", "blocked_ms_per_step",
+    "spec_hit_rate", "repaired_fraction", "forced_miss_rate", "prompts", "temperature", "top_p", "threads", "error",
 )
 
 
 @dataclass
 class StepTimer(TimingStreamer):
-    """`TimingStreamer` that also records when `generate()` hands over the prompt (`prompt_time`, seconds).
+    """`TimingStreamer` that also records when `generate()` hands over the prompt (`prompt_time`, seconds) and marks
+    each generated token on `probe` (the launch thread's synchronization points and blocked time per step, read from
+    `cache`'s wait clock; `launch_thread.StepProbe`).
 
     With `cuda_device` set, it records the peak allocated bytes up to the first generated token (`prefill_peak`)
     and resets the peak counter there, so `torch.cuda.max_memory_allocated()` afterwards is the decode-phase peak.
@@ -43,13 +49,18 @@ class StepTimer(TimingStreamer):
     prompt_time: float = NAN
     cuda_device: torch.device | None = None
     prefill_peak: int = 0
+    probe: StepProbe | None = None
+    cache: Any = None
 
     def put(self, value):
         if not self._prompt_seen:
             self.prompt_time = time.perf_counter()
-        elif not self.times and self.cuda_device is not None:
-            self.prefill_peak = torch.cuda.max_memory_allocated(self.cuda_device)
-            torch.cuda.reset_peak_memory_stats(self.cuda_device)
+        else:
+            if not self.times and self.cuda_device is not None:
+                self.prefill_peak = torch.cuda.max_memory_allocated(self.cuda_device)
+                torch.cuda.reset_peak_memory_stats(self.cuda_device)
+            if self.probe is not None:
+                self.probe.mark(self.cache)
         super().put(value)
 
 
@@ -72,7 +83,8 @@ def empty_row(method: str, context: int, batch: int, budget: int | None, grid: B
     row = {c: NAN for c in COLUMNS}
     row.update(
         method=method, context=context, batch=batch, budget=budget, new_tokens=grid.new_tokens, error=None,
-        threads=torch.get_num_threads(),
+        threads=torch.get_num_threads(), prompts=grid.prompts, temperature=grid.temperature,
+        top_p=grid.top_p if grid.temperature > 0 else NAN, sync_points_by_op={},
         forced_miss_rate=grid.forced_miss_rate if method == FORCED_MISS else NAN,
     )
     row.update(extra)
@@ -81,29 +93,32 @@ def empty_row(method: str, context: int, batch: int, budget: int | None, grid: B
 
 def _generate_kwargs(model, method: str, budget: int | None, grid: BenchGrid, prompt_len: int, new_tokens: int,
                      host_limit_bytes: int | None) -> dict[str, Any]:
-    """`generate()` keyword arguments of a cell: the cache (by name, or a `ForcedMissCache` object) and sampling."""
+    """`generate()` keyword arguments of a cell: a dual / quest cell's cache as an object (`DualDecoderCache`, or a
+    `ForcedMissCache`; the step timer reads its wait clock), the baselines' by name, and the decoding settings (the
+    global torch generator seeded with 0 when sampling)."""
     kwargs: dict[str, Any] = {}
     if method in BUDGETED:
         config = grid.cache_config(method, budget)
         if host_limit_bytes is not None:
             config.setdefault("max_host_bytes", int(host_limit_bytes))
+        max_cache_len = prompt_len + new_tokens + 2  # as generate(cache_implementation="dual") sizes it
         if method == FORCED_MISS:
             from .forced_miss import ForcedMissCache
 
-            kwargs["cache"] = ForcedMissCache(model.config, max_cache_len=prompt_len + new_tokens + 1,
+            kwargs["cache"] = ForcedMissCache(model.config, max_cache_len=max_cache_len,
                                               miss_rate=grid.forced_miss_rate, **config)
         else:
-            kwargs.update(cache_implementation="dual", cache_config=config)
+            from ...cache import DualDecoderCache
+
+            kwargs["cache"] = DualDecoderCache(model.config, max_cache_len=max_cache_len, **config)
     else:
         if method == "offloaded":
             kwargs["cache_implementation"] = "offloaded"
         if prompt_len > grid.prefill_chunk_size:
             kwargs["prefill_chunk_size"] = grid.prefill_chunk_size
-    if grid.do_sample:
-        kwargs.update(do_sample=True, temperature=1.0, top_k=0, top_p=None)
+    kwargs.update(grid.sampling_kwargs())
+    if grid.temperature > 0:
         torch.manual_seed(0)
-    else:
-        kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
     return kwargs
 
 
@@ -142,16 +157,19 @@ def run_cell(model, prompts: PromptSource, method: str, context: int, batch: int
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    timer = StepTimer(cuda_device=device if cuda else None)
+    probe = StepProbe()
+    timer = StepTimer(cuda_device=device if cuda else None, probe=probe)
     out = cache = None
     failed = None
     kwargs: dict[str, Any] = {}
     try:
         kwargs = _generate_kwargs(model, method, budget, grid, ids.shape[1], new_tokens, host_limit_bytes)
-        out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-            streamer=timer, return_dict_in_generate=True, **kwargs,
-        )
+        timer.cache = kwargs.get("cache")
+        with probe.counting() if grid.count_sync_points else contextlib.nullcontext():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                streamer=timer, return_dict_in_generate=True, **kwargs,
+            )
         cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
         if cuda:
             torch.cuda.synchronize(device)
@@ -171,7 +189,10 @@ def run_cell(model, prompts: PromptSource, method: str, context: int, batch: int
             failed = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
         else:
             raise
+    if hasattr(kwargs.get("cache"), "close"):
+        kwargs["cache"].close()  # its host stores go now (after the accounting above, which the close freezes)
     del out, cache
+    timer.cache = None
     kwargs.clear()  # an explicit cache object goes with the call's other references
     _free_device(device)
     if failed is not None:
@@ -196,8 +217,11 @@ def run_cell(model, prompts: PromptSource, method: str, context: int, batch: int
         host_bytes_per_request=acct["host_bytes"] / batch,
         dense_equivalent_bytes_per_request=acct["dense_equivalent_bytes"] / batch,
         bytes_copied_per_step=copied,
-        overlap_ratio=acct["overlap_ratio"], wait_seconds=acct["wait_seconds"],
+        overlap_ratio=acct["overlap_ratio"], idle_copy_fraction=acct["idle_copy_fraction"],
+        idle_host_fraction=acct["idle_host_fraction"], wait_seconds=acct["wait_seconds"],
         spec_hit_rate=(acct["spec_hits"] / acct["spec_steps"]) if acct["spec_steps"] else NAN,
         repaired_fraction=acct["repaired_fraction"],
     )
+    if method != "offloaded":  # transformers' offloaded cache waits for its layer copies on no clock of its own
+        row.update(probe.summary(skip=grid.warmup_steps))
     return row

@@ -20,13 +20,15 @@ def registered_config(method: str) -> dict[str, Any]:
 DUAL_METHODS = tuple(f"dual-{s}" for s in SPECULATORS)  # dual-self, dual-ngram, dual-none
 BASELINES = ("dense", "offloaded")
 LOWBIT = "dual-lowbit"  # dual-self with the 2-bit key index (`selector="lowbit"`)
-NO_REPAIR = "dual-no-repair"  # dual-self with `miss_repair=False`: the pipeline alone
-FORCED_MISS = "dual-forced-miss"  # dual-self whose repairs follow a forced miss rate (eval/throughput/forced_miss.py)
-ALL_METHODS = BASELINES + DUAL_METHODS + (NO_REPAIR, FORCED_MISS, LOWBIT, "quest")
+NO_REPAIR = "dual-no-repair"  # dual-self attending to the speculated selection as it is: the paper's method
+SYNC_REPAIR = "dual-sync-repair"  # dual-self with the default before issue 57: misses repaired synchronously
+FORCED_MISS = "dual-forced-miss"  # dual-self with synchronous repairs at a forced miss rate (forced_miss.py)
+ALL_METHODS = BASELINES + DUAL_METHODS + (NO_REPAIR, SYNC_REPAIR, FORCED_MISS, LOWBIT, "quest")
 METHOD_ALIASES = {"dual": DUAL_METHODS, "all": BASELINES + DUAL_METHODS + (LOWBIT, "quest")}
-BUDGETED = DUAL_METHODS + (NO_REPAIR, FORCED_MISS, LOWBIT, "quest")  # cells vary with the retrieval budget
+BUDGETED = DUAL_METHODS + (NO_REPAIR, SYNC_REPAIR, FORCED_MISS, LOWBIT, "quest")  # cells vary with the budget
 RATIO_BASELINES = ("dense", "offloaded", "quest")  # what "the best baseline" of the max-batch table ranges over
 CPU_LINEARS = ("stock", "gemm")  # see eval/throughput/cpu_linear.py
+PROMPT_KINDS = ("needle", "natural")  # see bench_models.PromptSource
 
 
 @dataclass
@@ -35,10 +37,14 @@ class BenchGrid:
 
     Attributes:
         methods: names from `ALL_METHODS`, run in the order given, or the aliases `"dual"` (every speculator) and
-            `"all"`. `dual-<speculator>`: that speculator with the default selector (`DualDecoderConfig().selector`)
-            and the default miss repair; `dual-no-repair`: `dual-self` with `miss_repair=False`;
-            `dual-forced-miss`: `dual-self` whose miss repairs hit a `forced_miss_rate` fraction of the live
-            sequences each step (benchmark only, `eval/throughput/forced_miss.py`); `dual-lowbit`: `dual-self` with
+            `"all"`. `dual-<speculator>`: that speculator with the library defaults (the default selector, the
+            real token's re-rank of `fetch_factor × budget` fetched entries and their next positions on the device);
+            `dual-no-repair`: `dual-self` attending to the speculated selection as it is (`fetch_factor` 1, no next
+            positions, no repair: the paper's method); `dual-sync-repair`: `dual-self` as the library's default
+            was before issue 57 (`fetch_factor` 1, no next positions, a miss re-selected synchronously with the
+            real token's query, layer by layer: `miss_repair`); `dual-forced-miss`: `dual-self` with synchronous miss
+            repair (`fetch_factor` 1) of a `forced_miss_rate` fraction of the live sequences each step (benchmark
+            only, `eval/throughput/forced_miss.py`); `dual-lowbit`: `dual-self` with
             `selector="lowbit"`; `quest`: the Quest baseline.
         batches: sequences per `generate()` call.
         contexts: prompt lengths (tokens; the embedded model's needle prompts meet them within a few tokens).
@@ -48,11 +54,17 @@ class BenchGrid:
         n_sink, window: dual resident tiers (tokens).
         prefill_chunk_size: prompt tokens per prefill forward, used by every method (fair activation memory).
         quest_block_size: page size of the Quest baseline (tokens).
-        do_sample: sample at temperature 1 instead of greedy decoding (speculation hits drop).
+        temperature: 0 decodes greedily; > 0 samples at this temperature (transformers' processors, top-k off).
+        top_p: nucleus mass kept when sampling, in (0, 1] (1: off); must stay 1 for greedy decoding.
+        prompts: `"needle"` (a word-needle question over the Python reference per row) or `"natural"` (a passage of
+            the RULER essay haystack per row, asked to be continued: `eval/quality/natural_text.py`); both need a
+            tokenizer (random-weight models get random ids). Row `b` of a batch uses seed `b`.
         dual_options: further `DualDecoderConfig` fields for dual / quest cells (e.g. `{"early_layers": 0}`);
             `speculator`, `selector` and `budget` are set by the method and may not appear here.
         forced_miss_rate: fraction in [0, 1] of live sequences `dual-forced-miss` repairs per step.
         cpu_linear: `"gemm"` routes every method's few-row linears through `eval/throughput/cpu_linear.py` (CPU only).
+        count_sync_points: count the launch thread's synchronization points per step during the timed runs
+            (`launch_thread.py`; a TorchFunctionMode that adds Python work to every torch call); False leaves them NaN.
     """
 
     methods: tuple[str, ...] = ("dense", "dual-self")
@@ -65,10 +77,13 @@ class BenchGrid:
     window: int = 64
     prefill_chunk_size: int = 8192
     quest_block_size: int = 16
-    do_sample: bool = False
+    temperature: float = 0.0
+    top_p: float = 1.0
+    prompts: str = "needle"
     dual_options: dict[str, Any] = field(default_factory=dict)
     forced_miss_rate: float | None = None
     cpu_linear: str = "stock"
+    count_sync_points: bool = True
 
     def expanded_methods(self) -> tuple[str, ...]:
         """Methods with aliases expanded, in the order given, without duplicates."""
@@ -98,6 +113,15 @@ class BenchGrid:
             bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < minimum]
             if bad:
                 raise ValueError(f"--{name} values must be integers >= {minimum}; got {bad}.")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"--temperature must be a finite number >= 0 (0: greedy), got {self.temperature!r}.")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1] (1: off), got {self.top_p!r}.")
+        if self.top_p < 1 and self.temperature == 0:
+            raise ValueError(f"--top-p {self.top_p} applies to sampling; give --temperature > 0 with it.")
+        if self.prompts not in PROMPT_KINDS:
+            raise ValueError(f"--prompts must be one of {PROMPT_KINDS}, got {self.prompts!r}.")
         if self.warmup_steps < 0:
             raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}.")
         if self.cpu_linear not in CPU_LINEARS:
@@ -141,6 +165,13 @@ class BenchGrid:
             config["block_size"] = self.quest_block_size
         return config
 
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """`generate()`'s decoding arguments: greedy, or sampling with this temperature and top-p (top-k off, not
+        transformers' default 50; every argument given, so the model's `generation_config` adds nothing)."""
+        if self.temperature == 0:
+            return {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
+        return {"do_sample": True, "temperature": float(self.temperature), "top_k": 0, "top_p": float(self.top_p)}
+
     def budgets_of(self, method: str) -> tuple[int | None, ...]:
         """The budgets a method's cells run at: the grid's for budgeted methods, `(None,)` for baselines."""
         return self.budgets if method in BUDGETED else (None,)
@@ -162,6 +193,16 @@ def skipped_methods(grid: BenchGrid, device: torch.device) -> dict[str, str]:
             f"{device.type}"
         )
     return skip
+
+
+def decoding_text(grid: dict) -> str:
+    """`"greedy"` or `"sampling at temperature 0.8, top-p 0.9"` (top-p left out when off) for a grid as a dict
+    (`asdict(BenchGrid)`; older runs' `do_sample` read as temperature 1)."""
+    temperature = grid.get("temperature", 1.0 if grid.get("do_sample") else 0.0)
+    top_p = grid.get("top_p", 1.0)
+    if not temperature:
+        return "greedy"
+    return f"sampling at temperature {temperature:g}" + (f", top-p {top_p:g}" if top_p < 1 else "")
 
 
 def method_label(method: str, budget: int | None, forced_miss_rate: float | None = None) -> str:

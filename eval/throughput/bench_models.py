@@ -1,6 +1,6 @@
 """Models and prompts of the throughput benchmark: a random-weight Llama-3.1-8B-shaped model (nothing downloaded),
-a tiny random model for tests, the embedded model or any path / Hub id; needle prompts or random ids; byte sizes of
-weights and of a full KV cache."""
+a tiny random model for tests, the embedded model or any path / Hub id; needle or natural-text prompts or random ids;
+byte sizes of weights and of a full KV cache."""
 
 from __future__ import annotations
 
@@ -64,24 +64,39 @@ def load_bench_model(name: str, device: torch.device):
 
 
 class PromptSource:
-    """Batches of prompts: needle questions over the Python reference (models with a tokenizer) or random ids.
+    """Batches of prompts, one seed per row (row `b` of a batch uses seed `b`, so the rows differ): for a model with
+    a tokenizer, word-needle questions over the Python reference (`kind="needle"`) or passages of the RULER essay
+    haystack asked to be continued (`kind="natural"`, `eval/quality/natural_text.py`: the decode workload of long
+    requests that do not copy from each other), left-padded to the longest row; random ids without a tokenizer.
 
-    Row `b` of a batch uses seed `b`; rows of needle prompts are left-padded to the longest one.
+    Raises:
+        ValueError: an unknown `kind`, or `"natural"` without a tokenizer (a random-weight model).
     """
 
-    def __init__(self, tokenizer, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, tokenizer, vocab_size: int, device: torch.device, kind: str = "needle") -> None:
+        if kind not in ("needle", "natural"):
+            raise ValueError(f"prompt kind must be 'needle' or 'natural', got {kind!r}.")
+        if kind == "natural" and tokenizer is None:
+            raise ValueError("natural-text prompts need a model with a tokenizer (random-weight models get random "
+                             "ids); use --prompts needle or a real model.")
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.device = device
+        self.kind = kind
         self._cache: dict[tuple[int, int], list[int]] = {}
 
-    def _needle_ids(self, context: int, seed: int) -> list[int]:
-        from ..quality.needle import format_chat, make_needle_prompt
-
+    def _ids(self, context: int, seed: int) -> list[int]:
         key = (context, seed)
         if key not in self._cache:
-            prompt = make_needle_prompt(self.tokenizer, context, seed=seed)
-            self._cache[key] = format_chat(self.tokenizer, prompt.text)
+            if self.kind == "natural":
+                from ..quality.natural_text import natural_prompt_ids
+
+                self._cache[key] = natural_prompt_ids(self.tokenizer, context, seed)
+            else:
+                from ..quality.needle import format_chat, make_needle_prompt
+
+                prompt = make_needle_prompt(self.tokenizer, context, seed=seed)
+                self._cache[key] = format_chat(self.tokenizer, prompt.text)
         return self._cache[key]
 
     def batch(self, batch: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +108,7 @@ class PromptSource:
                 rows.append(torch.randint(1, self.vocab_size, (context,), generator=generator))
             ids = torch.stack(rows)
             return ids.to(self.device), torch.ones_like(ids).to(self.device)
-        rows = [self._needle_ids(context, seed) for seed in range(batch)]
+        rows = [self._ids(context, seed) for seed in range(batch)]
         width = max(len(r) for r in rows)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         ids = torch.full((batch, width), pad, dtype=torch.long)

@@ -7,7 +7,7 @@ import math
 import os
 from typing import Callable
 
-from .bench_grid import RATIO_BASELINES, method_label
+from .bench_grid import RATIO_BASELINES, decoding_text, method_label
 from ...extras import require
 from ..spread import load_warning, with_range
 from ..outputs import mib
@@ -22,6 +22,12 @@ def _num(value, fmt: str = "{:.2f}") -> str:
     return fmt.format(value)
 
 
+def _idle(row: dict) -> str:
+    """` (copy / host)`: the device's idle shares of its step time, where a device clock measured them."""
+    copy, host = row.get("idle_copy_fraction"), row.get("idle_host_fraction")
+    if copy is None or not math.isfinite(copy):
+        return ""
+    return f" ({_num(copy)} / {_num(host)})"
 
 
 def _ratio(a, b) -> float:
@@ -45,14 +51,15 @@ def label(row: dict) -> str:
 def cell_table(cells: list[dict]) -> str:
     """Markdown table, one line per cell; timings are the median of the cell's runs with their min–max in
     parentheses; `×dense` / `×offl` are this row's median decode tokens/s over the dense / offloaded row's at the
-    same context and batch, `dev/dense` its device bytes per request over dense's."""
+    same context and batch, `dev/dense` its device bytes per request over dense's; `sync/step` and `blocked ms/step`
+    the launch thread's synchronization points and blocked milliseconds per decode step (`launch_thread.py`)."""
     head = ("| method | context | batch | TTFT s | decode tok/s | ms/step | device MiB/req | CUDA peak MiB/req all / decode | "
-            "host MiB/req | copied MiB/step | overlap | wait s | hit rate | repaired | ×dense tok/s | ×offl tok/s | "
-            "dev/dense bytes |")
+            "host MiB/req | copied MiB/step | overlap (GPU idle: copy / host) | wait s | sync/step | blocked ms/step | "
+            "hit rate | repaired | ×dense tok/s | ×offl tok/s | dev/dense bytes |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in cells:
         if row["error"] is not None:
-            lines.append(f"| {label(row)} | {row['context']} | {row['batch']} | error: {row['error']} |" + " |" * 13)
+            lines.append(f"| {label(row)} | {row['context']} | {row['batch']} | error: {row['error']} |" + " |" * 15)
             continue
         dense = _baseline(cells, "dense", row["context"], row["batch"])
         offl = _baseline(cells, "offloaded", row["context"], row["batch"])
@@ -64,7 +71,9 @@ def cell_table(cells: list[dict]) -> str:
             f"{mib(row['device_bytes_per_request'])} | {mib(row['cuda_peak_bytes_per_request'])} / "
             f"{mib(row['cuda_decode_peak_bytes_per_request'])} | "
             f"{mib(row['host_bytes_per_request'])} | {mib(row['bytes_copied_per_step'])} | "
-            f"{_num(row['overlap_ratio'])} | {_num(row['wait_seconds'])} | {_num(row['spec_hit_rate'], '{:.0%}')} | "
+            f"{_num(row['overlap_ratio'])}{_idle(row)} | {_num(row['wait_seconds'])} | "
+            f"{with_range(row, 'sync_points_per_step', '{:.1f}')} | {with_range(row, 'blocked_ms_per_step', '{:.1f}')} | "
+            f"{_num(row['spec_hit_rate'], '{:.0%}')} | "
             f"{_num(row.get('repaired_fraction', math.nan), '{:.0%}')} | "
             f"{'—' if is_base or not dense else _num(_ratio(row['decode_tokens_per_s'], dense['decode_tokens_per_s']))} | "
             f"{'—' if is_base or not offl else _num(_ratio(row['decode_tokens_per_s'], offl['decode_tokens_per_s']))} | "
@@ -125,7 +134,7 @@ def render_markdown(result) -> str:
         f"Model {meta.get('model')} on {meta.get('cuda_device', meta.get('device'))} ({meta.get('dtype')}, "
         f"{meta.get('threads')} threads), {meta.get('grid', {}).get('new_tokens')} new tokens, "
         f"{meta.get('grid', {}).get('warmup_steps')} warm-up steps"
-        + ("; sampling at temperature 1" if meta.get("grid", {}).get("do_sample") else "; greedy")
+        + f"; {meta.get('grid', {}).get('prompts', 'needle')} prompts; {decoding_text(meta.get('grid', {}))}"
         + ("; every method's few-row linears as W·xᵀ (`--cpu-linear gemm`, eval/throughput/cpu_linear.py)"
            if meta.get("grid", {}).get("cpu_linear") == "gemm" else "")
         + (f"; dual options {meta['grid']['dual_options']}" if meta.get("grid", {}).get("dual_options") else "")
@@ -199,3 +208,24 @@ def plot_all(result, out_dir: str, log: Callable[[str], None] = print) -> dict[s
         fig.savefig(paths["memory_plot"], dpi=120)
         plt.close(fig)
     return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m dual_cache.eval.throughput.bench_report SUMMARY.json ...`: print the markdown report of each
+    `summary.json` a benchmark wrote (e.g. of a run cut short, which printed no table)."""
+    import argparse
+    import json
+
+    from .bench import BenchResult
+
+    parser = argparse.ArgumentParser(prog="python -m dual_cache.eval.throughput.bench_report",
+                                     description=main.__doc__.split(": ", 1)[1])
+    parser.add_argument("summaries", nargs="+", help="summary.json files written by the benchmark")
+    for path in parser.parse_args(argv).summaries:
+        with open(path, encoding="utf-8") as handle:
+            print(f"{path}:\n\n{render_markdown(BenchResult(**json.load(handle)))}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -6,7 +6,7 @@ is repaired (the worst case) and `miss_repair=False` never is (the pipeline alon
 times that middle on any weights: each decode step, a seeded random `miss_rate` fraction of the live sequences is
 treated as missed (repaired in every layer, synchronously, as a real miss would be), the others as hit.
 
-How: the decode loop reports each step's rows through `DualDecoderCache.begin_step(repair, check)`; this
+How: the decode loop reports each step's rows through `DualDecoderCache.begin_step(rows)`, which returns the step's plan; this
 subclass only redraws that split, so the decode loop, the schedule and the repairs themselves run unchanged. The
 first decode step (`check` is None: the prompt's last position chose its entries) is repaired for every sequence,
 as in the real loop. Drift checks on forced hits are skipped (`check` rows are not passed on): with random weights every
@@ -27,7 +27,8 @@ class ForcedMissCache(DualDecoderCache):
     """`DualDecoderCache` that repairs a seeded random `miss_rate` fraction of the live sequences each step.
 
     Args:
-        config, dual_config, max_cache_len, **options: as `DualDecoderCache`; `miss_repair` must be on.
+        config, dual_config, max_cache_len, **options: as `DualDecoderCache`; `miss_repair` is turned on (a
+            `dual_config` must have it on).
         miss_rate: probability in [0, 1] that a live sequence counts as missed at a decode step (0: never
             repaired after the first step; 1: every step repaired).
         seed: seed of the draws (one uniform draw per sequence and step, on the host).
@@ -40,24 +41,25 @@ class ForcedMissCache(DualDecoderCache):
                  **options) -> None:
         if isinstance(miss_rate, bool) or not isinstance(miss_rate, (int, float)) or not 0.0 <= miss_rate <= 1.0:
             raise ValueError(f"miss_rate must be a number in [0, 1], got {miss_rate!r}.")
+        if options.get("miss_repair", True) is False or (dual_config is not None and not dual_config.miss_repair):
+            raise ValueError("ForcedMissCache forces miss repairs; build it without miss_repair=False.")
+        if dual_config is None:
+            options["miss_repair"] = True
         super().__init__(config, dual_config, max_cache_len, **options)
-        if not self.dual_config.miss_repair:
-            raise ValueError("ForcedMissCache forces miss repairs; build it with miss_repair=True.")
         self.miss_rate = float(miss_rate)
         self._draws = random.Random(seed)
         self.forced_misses = 0  # (step, sequence) pairs marked missed after the first step
         self.forced_rows = 0  # live (step, sequence) pairs after the first step
 
-    def begin_step(self, rows: StepRows) -> None:
+    def begin_step(self, rows: StepRows):
         """Replace the step's missed / hit split by a random one with `miss_rate` misses among the live rows.
 
         Args: as `DualDecoderCache.begin_step`.
         """
         if rows.first:  # first decode step: every live sequence is repaired, as in the real loop
-            super().begin_step(rows)
-            return
+            return super().begin_step(rows)
         draws = [self._draws.random() for _ in range(rows.batch)]
         forced = tuple(i for i in rows.live if draws[i] < self.miss_rate)
         self.forced_misses += len(forced)
         self.forced_rows += len(rows.live)
-        super().begin_step(StepRows(forced, (), rows.live, rows.batch))
+        return super().begin_step(StepRows(forced, (), rows.live, rows.batch))
