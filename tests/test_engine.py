@@ -333,13 +333,16 @@ def test_the_gather_in_the_select_call_copies_the_rows_of_the_selection(variant,
     library = native.library(variant)
     for budget, with_index in [(16, False), (16, True), (900, False)]:  # 900: more slots than candidates
         view = (index.packed, index.params, index.group_first, index.usable(mask.shape[1])) if with_index else None
-        out = tuple(torch.full((3, 2, budget, 40), float("nan"), dtype=torch.bfloat16) for _ in range(2))
+        # the first `budget` of budget + 5 slots per (sequence, KV head), as the layer's staging buffer holds them
+        wide = tuple(torch.full((3, 2, budget + 5, 40), float("nan"), dtype=torch.bfloat16) for _ in range(2))
+        out = tuple(w[:, :, :budget] for w in wide)
         indices, valid = engine._native_select(library, query, mask, engine.chunks(keys, values), budget, 0.2,
                                                index if with_index else None, 64, 2, None, out)
         expected = tuple(torch.empty_like(o) for o in out)
         reference.gather(keys, indices, expected[0])
         reference.gather(values, indices, expected[1])
         assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])
+        assert all(w[:, :, budget:].isnan().all() for w in wide)  # the slots after them untouched
         assert torch.equal((indices, valid)[0], reference.select(query, mask, keys, budget, 0.2, view, 64)[0])
 
 
