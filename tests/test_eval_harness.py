@@ -86,7 +86,7 @@ def test_methods_and_errors(setup, items, tmp_path):
     assert parse_method("oracle", 128).cache_config == {"budget": 128, "selector": "oracle"}
     assert parse_method("dual@32", 256).cache_config == {"budget": 32}  # the library's defaults
     assert parse_method("dual-sync-repair", 64).cache_config == {"budget": 64, "miss_repair": True, "fetch_factor": 1,
-                                                                  "fetch_next": False}
+                                                                  "fetch_next": False, "coupled_sampling": False}
     assert parse_method("dual-no-repair", 64).cache_config == {"budget": 64, "miss_repair": False, "fetch_factor": 1,
                                                                 "fetch_next": False}
     with pytest.raises(ValueError, match="unknown method"):

@@ -30,7 +30,8 @@ CACHE_CONFIGS: dict[str, dict[str, Any] | None] = {
     "dense": None,  # transformers' default DynamicCache
     "offloaded": None,  # transformers' cache_implementation="offloaded" (CUDA; throughput benchmark)
     "dual": {},  # the library defaults
-    "dual-sync-repair": {"miss_repair": True, "fetch_factor": 1, "fetch_next": False},  # the default before issue 57
+    # the default before issue 57: misses repaired synchronously, the guess drawn with its own randomness
+    "dual-sync-repair": {"miss_repair": True, "fetch_factor": 1, "fetch_next": False, "coupled_sampling": False},
     "dual-self": {"speculator": "self"},
     "dual-ngram": {"speculator": "ngram"},
     "dual-none": {"speculator": "none"},  # the previous real token's selection: what speculation buys

@@ -42,7 +42,8 @@ class BenchGrid:
             `dual-no-repair`: `dual-self` attending to the speculated selection as it is (`fetch_factor` 1, no next
             positions, no repair: the paper's method); `dual-sync-repair`: `dual-self` as the library's default
             was before issue 57 (`fetch_factor` 1, no next positions, a miss re-selected synchronously with the
-            real token's query, layer by layer: `miss_repair`); `dual-forced-miss`: `dual-self` with synchronous miss
+            real token's query, layer by layer: `miss_repair`; the guess drawn with its own randomness:
+            `coupled_sampling` off); `dual-forced-miss`: `dual-self` with synchronous miss
             repair (`fetch_factor` 1) of a `forced_miss_rate` fraction of the live sequences each step (benchmark
             only, `eval/throughput/forced_miss.py`); `dual-lowbit`: `dual-self` with
             `selector="lowbit"`; `quest`: the Quest baseline.
