@@ -7,8 +7,10 @@ import json
 import math
 
 import pytest
+import torch
 
 from dual_cache.cli import main
+from dual_cache.eval.throughput.launch_thread import StepProbe
 from dual_cache.serving.bench import workload
 
 
@@ -43,6 +45,22 @@ def test_bench_serve_natural_prompts_and_sampling(tmp_path):
         assert 0 <= row["spec_hit_rate"] <= 1
     text = out.with_suffix(".md").read_text()
     assert "natural-text prompts" in text and "sampling at temperature 0.8, top-p 0.9" in text
+
+
+def test_step_probe_counts_only_when_asked_and_restarts_between_calls():
+    counted, uncounted = StepProbe(), StepProbe(count=False)
+    for probe in (counted, uncounted):
+        with probe.step(None):
+            torch.ones(2).sum().item()  # one synchronization point
+    assert counted.summary() == {"sync_points_per_step": 1.0, "sync_points_by_op": {"Tensor.item": 1.0},
+                                 "blocked_ms_per_step": 0.0}
+    assert math.isnan(uncounted.summary()["sync_points_per_step"]) and uncounted.summary()["blocked_ms_per_step"] == 0
+    marks = StepProbe()
+    marks.mark()
+    marks.mark()
+    marks.restart()  # the next call's first mark starts afresh: no step spans two calls
+    marks.mark()
+    assert len(marks.steps) == 1
 
 
 def test_natural_prompts_need_a_tokenizer():
