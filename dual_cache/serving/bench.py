@@ -323,7 +323,8 @@ def add_parser(sub) -> None:
                    help="DualDecoderConfig fields as JSON, or a JSON file, for the dual rows (default: "
                         "DualDecoderConfig's defaults)")
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS, help="systems to run, in order")
-    p.add_argument("--seed", type=int, default=0, help="picks the prompts, arrival times, max_tokens and each request's sampling seed")
+    p.add_argument("--seed", type=int, default=0,
+                   help="picks the prompts, arrival times, max_tokens and each request's sampling seed")
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds of every system, in an order rotated each round; rows report the median and the "
                         "min-max (one run takes minutes: 1 by default, 3 before reading a ratio)")
