@@ -7,17 +7,23 @@
 - `generate-batch`: transformers' continuous batching (`init_continuous_batching`, paged cache), the anchor.
 
 Reports output tokens/s (all output tokens / first arrival to last finish), time to first token and time per output
-token (p50 / p99, seconds) and the peak KV bytes on the device and in host memory, one row per system, to stdout
-and to `<out>.json` / `<out>.md` (default: a new file under the git-ignored eval-results/bench-serve/). Every system
-gets the same prompts, arrival times and max_tokens; decoding is greedy. With `--repeats N` the systems run N rounds,
-in an order rotated each round (`eval/spread.py`); each row holds the medians of its runs, with `<field>_min` /
-`<field>_max`.
+token (p50 / p99, seconds), the peak KV bytes on the device and in host memory, the speculation hit rate (dual
+cache systems: speculated tokens equal to the real one / speculated tokens) and, per decode step of the running
+batch, the launch thread's synchronization points and the milliseconds it was blocked waiting for host selection
+(`eval/throughput/launch_thread.py`: the scheduler's loop thread for `dual` / `dense`, the thread calling
+`generate()` for `static`; not measured for `generate-batch`), one row per system, to stdout and to `<out>.json` /
+`<out>.md` (default: a new file under the git-ignored eval-results/bench-serve/). Every system gets the same prompts
+(`--prompts`: random token ids, or natural-text passages asked to be continued), arrival times, max_tokens and
+decoding (`--temperature`, `--top-p`; greedy by default). With `--repeats N` the systems run N rounds, in an order
+rotated each round (`eval/spread.py`); each row holds the medians of its runs, with `<field>_min` / `<field>_max`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
 import sys
 import threading
 import time
@@ -27,35 +33,63 @@ import torch
 from ..config import DualDecoderConfig
 from ..eval import spread
 from ..eval.outputs import default_out, write_rows_and_table
+from ..eval.quality.natural_text import natural_prompt_ids
 from ..eval.spread import with_range
+from ..eval.throughput.bench_grid import decoding_text
+from ..eval.throughput.launch_thread import StepProbe
 from ..help_format import DefaultsHelpFormatter
+from .rows import GREEDY_BELOW
 
 SYSTEMS = ("dual", "dense", "static", "generate-batch")
-TIMED = ("seconds", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
+PROMPT_KINDS = ("random", "natural")
+TIMED = ("seconds", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "spec_hit_rate",
+         "sync_points_per_step", "blocked_ms_per_step")  # every field that varies between runs
 
 
-def workload(args, vocab: int, special: set[int]) -> list[dict]:
-    """Prompts (`--context` tokens; with `--shared-prefix`, all but the last 64 shared), arrival offsets (seconds,
-    Poisson at `--rate`) and max_tokens (uniform in [`--min-new`, `--max-new`])."""
+def workload(args, vocab: int, special: set[int], tokenizer=None) -> list[dict]:
+    """Prompts, arrival offsets (seconds, Poisson at `--rate`) and max_tokens (uniform in [`--min-new`, `--max-new`]).
+
+    `--prompts random`: `--context` token ids drawn uniformly from the vocabulary less `special` (with
+    `--shared-prefix`, all but the last 64 shared); `natural`: per request a passage of the RULER essay haystack asked
+    to be continued, about `--context` tokens in the model's chat format (`eval/quality/natural_text.py`, seed
+    `--seed` + the request's index). The arrivals and max_tokens are the same for either kind (the random ids are
+    drawn either way).
+
+    Raises:
+        ValueError: natural prompts without a tokenizer (before anything is drawn), or longer than the document.
+    """
+    if args.prompts == "natural" and tokenizer is None:
+        raise ValueError("--prompts natural needs a model with a tokenizer; use --prompts random for this model.")
     gen = torch.Generator().manual_seed(args.seed)
     allowed = torch.tensor([t for t in range(vocab) if t not in special])
     draw = lambda n: allowed[torch.randint(len(allowed), (n,), generator=gen)]  # noqa: E731
     shared = draw(args.context - 64) if args.shared_prefix else None
     at, requests = 0.0, []
-    for _ in range(args.requests):
+    for i in range(args.requests):
         prompt = torch.cat([shared, draw(64)]) if shared is not None else draw(args.context)
+        if args.prompts == "natural":
+            prompt = torch.tensor(natural_prompt_ids(tokenizer, args.context, args.seed + i), dtype=torch.long)
         new = int(torch.randint(args.min_new, args.max_new + 1, (1,), generator=gen))
-        requests.append({"prompt": prompt, "max_tokens": new, "at": at})
+        requests.append({"prompt": prompt, "max_tokens": new, "at": at, "seed": args.seed + i})
         at += float(torch.empty(1).exponential_(args.rate, generator=gen))
     return requests
+
+
+def sampling_kwargs(args) -> dict:
+    """`generate()`'s / `GenerationConfig`'s decoding arguments for `--temperature` / `--top-p` (0: greedy; top-k
+    off when sampling, not transformers' default 50)."""
+    if args.temperature == 0:
+        return {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
+    return {"do_sample": True, "temperature": args.temperature, "top_k": 0, "top_p": args.top_p}
 
 
 def run_scheduler(model, requests, args, dense: bool) -> list[dict]:
     from .requests import GenerationOptions
     from .scheduler import Scheduler
 
+    probe = StepProbe(count=not args.no_sync_points)
     scheduler = Scheduler(model, cache_config=args.cache_config, dense=dense, max_batch=args.max_batch,
-                          prefix_block=0 if dense else args.prefix_block)
+                          prefix_block=0 if dense else args.prefix_block, step_probe=probe)
     peak = {"device": 0, "host": 0}
     done = threading.Event()
 
@@ -73,14 +107,16 @@ def run_scheduler(model, requests, args, dense: bool) -> list[dict]:
         for request in requests:
             time.sleep(max(0.0, start + request["at"] - time.perf_counter()))
             handles.append(scheduler.add_request(request["prompt"], GenerationOptions(
-                max_tokens=request["max_tokens"], temperature=0)))
+                max_tokens=request["max_tokens"], temperature=args.temperature, top_p=args.top_p,
+                seed=request["seed"] if args.temperature > 0 else None)))
         for handle in handles:
             handle.wait()
     finally:
         done.set()
         sampler.join()
         scheduler.stop()
-    batching = {"decode_steps": scheduler.counters["decode_steps"], "regroups": scheduler.counters["regroups"]}
+    batching = {"decode_steps": scheduler.counters["decode_steps"], "regroups": scheduler.counters["regroups"],
+                "spec_hit_rate": math.nan if dense else scheduler.metrics()["spec_hit_rate"], **probe.summary()}
     return [{"arrived": h.arrived - start, "first": h.first_token - start, "finished": h.finished - start,
              "tokens": len(h.token_ids), "error": h.error, **({"peak": peak, **batching} if i == 0 else {})}
             for i, h in enumerate(handles)]
@@ -91,6 +127,8 @@ def run_static(model, requests, args, pad_id: int) -> list[dict]:
 
     out, start = [], time.perf_counter()
     peak = {"device": 0, "host": 0}
+    spec = {"hits": 0, "steps": 0}
+    probe = StepProbe()  # a step: the interval between two of generate()'s tokens (`mark`, from the streamer)
     for first in range(0, len(requests), args.max_batch):
         batch = requests[first:first + args.max_batch]
         time.sleep(max(0.0, start + batch[-1]["at"] - time.perf_counter()))
@@ -101,6 +139,7 @@ def run_static(model, requests, args, pad_id: int) -> list[dict]:
             ids[row, width - r["prompt"].numel():] = r["prompt"]
             mask[row, width - r["prompt"].numel():] = 1
         first_token = []
+        cache = DualDecoderCache(model.config, dual_config=args.cache_config)
 
         class Streamer:
             calls = 0
@@ -109,24 +148,34 @@ def run_static(model, requests, args, pad_id: int) -> list[dict]:
                 Streamer.calls += 1
                 if Streamer.calls == 2:
                     first_token.append(time.perf_counter() - start)
+                if Streamer.calls >= 2:  # the first call is the prompt
+                    probe.mark(cache)
 
             def end(self):
                 pass
 
-        cache = DualDecoderCache(model.config, dual_config=args.cache_config)
-        output = model.generate(ids, attention_mask=mask, max_new_tokens=max(r["max_tokens"] for r in batch),
-                                do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad_id,
-                                streamer=Streamer(), cache=cache, return_dict_in_generate=True)
-        stats = cache.stats()
+        if args.temperature > 0:
+            torch.manual_seed(batch[0]["seed"])  # generate() samples with torch's default generator
+        probe.restart()
+        try:
+            with contextlib.nullcontext() if args.no_sync_points else probe.counting():
+                output = model.generate(ids, attention_mask=mask, max_new_tokens=max(r["max_tokens"] for r in batch),
+                                        **sampling_kwargs(args), pad_token_id=pad_id, streamer=Streamer(),
+                                        cache=cache, return_dict_in_generate=True)
+            stats = cache.stats()
+        finally:
+            cache.close()
         peak["device"] = max(peak["device"], int(stats["device_bytes"]))
         peak["host"] = max(peak["host"], int(stats["host_bytes"]))
-        cache.close()
+        spec["hits"] += int(stats["spec_hits"])
+        spec["steps"] += int(stats["spec_steps"])
         end = time.perf_counter() - start
         for row, r in enumerate(batch):
             new = output.sequences[row, width:width + r["max_tokens"]]
             out.append({"arrived": r["at"], "first": first_token[0], "finished": end, "tokens": int(new.numel()),
                         "error": None})
-    out[0]["peak"] = peak
+    out[0].update(peak=peak, spec_hit_rate=spec["hits"] / spec["steps"] if spec["steps"] else math.nan,
+                  **probe.summary())
     return out
 
 
@@ -135,7 +184,7 @@ def run_generate_batch(model, requests, args) -> list[dict]:
 
     from .openmp_pool import release_openmp_pool
 
-    config = GenerationConfig(do_sample=False, max_new_tokens=max(r["max_tokens"] for r in requests),
+    config = GenerationConfig(**sampling_kwargs(args), max_new_tokens=max(r["max_tokens"] for r in requests),
                               eos_token_id=None, pad_token_id=model.generation_config.pad_token_id or 0)
     manager = model.init_continuous_batching(generation_config=config)
     release_openmp_pool()  # its loop thread gets the same treatment as the scheduler's (openmp_pool.py)
@@ -165,7 +214,10 @@ def run_generate_batch(model, requests, args) -> list[dict]:
     return rows
 
 
-def summarize(system: str, rows: list[dict]) -> dict:
+def summarize(system: str, rows: list[dict], args) -> dict:
+    """One system's row: throughput, latency percentiles, peak KV bytes, the batching and launch-thread measures of
+    its first raw row (None, or NaN for the speculation and launch-thread measures, where the system has none), and
+    the run's prompts and decoding."""
     def pct(values, q):
         values = sorted(values)
         return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else float("nan")
@@ -181,7 +233,13 @@ def summarize(system: str, rows: list[dict]) -> dict:
             "tpot_p99_s": pct(tpot, 0.99), "peak_device_kv_bytes": peak.get("device"),
             "peak_host_kv_bytes": peak.get("host"),
             # the scheduler's: decode steps of its running batch (output tokens / steps = rows per step), regroups
-            "decode_steps": rows[0].get("decode_steps"), "regroups": rows[0].get("regroups")}
+            "decode_steps": rows[0].get("decode_steps"), "regroups": rows[0].get("regroups"),
+            "spec_hit_rate": rows[0].get("spec_hit_rate", math.nan),
+            # the launch thread's, per decode step of the batch (launch_thread.StepProbe): counts; milliseconds
+            "sync_points_per_step": rows[0].get("sync_points_per_step", math.nan),
+            "sync_points_by_op": rows[0].get("sync_points_by_op", {}),
+            "blocked_ms_per_step": rows[0].get("blocked_ms_per_step", math.nan),
+            "prompts": args.prompts, "temperature": args.temperature, "top_p": args.top_p}
 
 
 def _options(config) -> dict:
@@ -195,15 +253,23 @@ def _mib(value) -> str:
 
 
 def table(rows: list[dict], args) -> str:
-    lines = [f"Serving benchmark: {args.requests} requests, Poisson arrivals at {args.rate}/s, {args.context}-token "
-             f"prompts{' sharing all but their last 64 tokens' if args.shared_prefix else ''}, max_tokens uniform in "
-             f"[{args.min_new}, {args.max_new}], greedy; max batch {args.max_batch}; cache config "
-             f"{json.dumps(_options(args.cache_config))}. "
+    prompts = ("natural-text prompts (RULER essay passages asked to be continued) of about "
+               if args.prompts == "natural" else "random-id prompts of ")
+    lines = [f"Serving benchmark: {args.requests} requests, Poisson arrivals at {args.rate}/s, {prompts}"
+             f"{args.context} tokens{' sharing all but their last 64' if args.shared_prefix else ''}, max_tokens "
+             f"uniform in [{args.min_new}, {args.max_new}], {decoding_text(vars(args))}; max batch {args.max_batch}; "
+             f"cache config {json.dumps(_options(args.cache_config))}. "
              + (f"Median (min–max) of {args.repeats} runs per system, the systems interleaved."
                 if args.repeats > 1 else "One run per system: no spread (--repeats 3 before reading a ratio)."),
              "",
+             "Per decode step of the batch, the launch thread's synchronization points and the ms it was blocked "
+             "waiting for host selection (eval/throughput/launch_thread.py"
+             + ("; synchronization points not counted: --no-sync-points)." if args.no_sync_points else
+                "; counting them slows every torch call of that thread: compare timings with --no-sync-points)."),
+             "",
              "| system | output tok/s | vs static | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) | peak device KV MiB | "
-             "peak host KV MiB | rows per decode step | errors |", "|---|---|---|---|---|---|---|---|---|"]
+             "peak host KV MiB | rows per decode step | spec hit rate | sync points / step | blocked ms / step | "
+             "errors |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     static = next((r["output_tokens_per_s"] for r in rows if r["system"] == "static"), None)
     for r in rows:
         ratio = f"{r['output_tokens_per_s'] / static:.2f}×" if static else "n/a"
@@ -212,7 +278,8 @@ def table(rows: list[dict], args) -> str:
                      f"{with_range(r, 'ttft_p50_s')} / "
                      f"{r['ttft_p99_s']:.2f} | {r['tpot_p50_s']:.3f} / {r['tpot_p99_s']:.3f} | "
                      f"{_mib(r['peak_device_kv_bytes'])} | {_mib(r['peak_host_kv_bytes'])} | {per_step} | "
-                     f"{r['errors']} |")
+                     f"{with_range(r, 'spec_hit_rate')} | {with_range(r, 'sync_points_per_step', '{:.1f}')} | "
+                     f"{with_range(r, 'blocked_ms_per_step')} | {r['errors']} |")
     return "\n".join(lines)
 
 
@@ -231,7 +298,21 @@ def add_parser(sub) -> None:
     p.add_argument("--requests", type=int, default=16, help="requests in the stream")
     p.add_argument("--rate", type=float, default=1.0, help="arrivals per second (Poisson)")
     p.add_argument("--context", type=int, default=1024, help="prompt tokens per request")
-    p.add_argument("--shared-prefix", action="store_true", help="prompts share all but their last 64 tokens")
+    p.add_argument("--prompts", default="random", choices=PROMPT_KINDS,
+                   help="random: token ids drawn uniformly from the vocabulary; natural: per request a passage of the "
+                        "RULER essay haystack asked to be continued (eval/quality/natural_text.py, seed --seed + the "
+                        "request's index; needs a model with a tokenizer)")
+    p.add_argument("--shared-prefix", action="store_true",
+                   help="prompts share all but their last 64 tokens (random prompts only)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every request (0: greedy); each request's generator is seeded with "
+                        "--seed + its index")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus mass kept when sampling, in (0, 1] (1: off; < 1 needs --temperature > 0)")
+    p.add_argument("--no-sync-points", action="store_true",
+                   help="do not count the launch thread's synchronization points (counted by default: a "
+                        "TorchFunctionMode that adds Python work to every torch call of that thread, so compare "
+                        "timings with it off); the blocked time is measured either way")
     p.add_argument("--prefix-block", type=int, default=0,
                    help="the dual server's prefix cache (Scheduler prefix_block; 0: off)")
     p.add_argument("--min-new", type=int, default=4, help="fewest output tokens a request asks for (max_tokens)")
@@ -242,7 +323,8 @@ def add_parser(sub) -> None:
                    help="DualDecoderConfig fields as JSON, or a JSON file, for the dual rows (default: "
                         "DualDecoderConfig's defaults)")
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS, help="systems to run, in order")
-    p.add_argument("--seed", type=int, default=0, help="picks the prompts, arrival times and max_tokens")
+    p.add_argument("--seed", type=int, default=0,
+                   help="picks the prompts, arrival times, max_tokens and each request's sampling seed")
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds of every system, in an order rotated each round; rows report the median and the "
                         "min-max (one run takes minutes: 1 by default, 3 before reading a ratio)")
@@ -263,14 +345,23 @@ def cmd_bench_serve(args) -> int:
         problems.append("--context must be >= 128")
     if args.prefix_block < 0:
         problems.append("--prefix-block must be >= 0")
+    if not (math.isfinite(args.temperature) and (args.temperature == 0 or args.temperature >= GREEDY_BELOW)):
+        problems.append(f"--temperature must be 0 (greedy) or a finite number >= {GREEDY_BELOW:g} (the scheduler "
+                        f"decodes greedily below it), got {args.temperature}")
+    if not 0 < args.top_p <= 1:  # NaN fails too
+        problems.append(f"--top-p must be in (0, 1] (1: off), got {args.top_p}")
+    elif args.top_p < 1 and not args.temperature > 0:
+        problems.append(f"--top-p {args.top_p} applies to sampling: give --temperature > 0 with it")
+    if args.prompts == "natural" and args.shared_prefix:
+        problems.append("--shared-prefix shares random ids: drop it with --prompts natural (one passage per request)")
     if problems:
         raise ValueError("; ".join(problems) + ".")
     args.cache_config = args.cache_config or DualDecoderConfig()
     from ..models import load_model, model_display_name
 
     model, tokenizer = load_model(args.model)
-    special = set(tokenizer.all_special_ids)
-    requests = workload(args, model.config.get_text_config(decoder=True).vocab_size, special)
+    special = set(tokenizer.all_special_ids) if tokenizer is not None else set()
+    requests = workload(args, model.config.get_text_config(decoder=True).vocab_size, special, tokenizer)
     warm = requests[0]["prompt"][None, :128]  # first calls pay one-time costs (engine load, allocator): not timed
     model.generate(warm, max_new_tokens=2, do_sample=False)
     model.generate(warm, max_new_tokens=2, do_sample=False, cache_implementation="dual",
@@ -289,7 +380,7 @@ def cmd_bench_serve(args) -> int:
             except Exception as error:  # noqa: BLE001 - a system that cannot run here is reported, not fatal
                 print(f"{system}: failed: {type(error).__name__}: {error}", file=sys.stderr)
                 continue
-            runs[system].append(summarize(system, raw))
+            runs[system].append(summarize(system, raw, args))
             print(json.dumps(runs[system][-1]), flush=True)
             highest = max(highest, spread.load_average())
     rows = [spread.merge_runs(runs[system], TIMED) for system in args.systems if runs[system]]

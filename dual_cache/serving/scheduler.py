@@ -19,6 +19,7 @@ it again (`prefix.py`).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -56,6 +57,10 @@ class Scheduler:
             evicted least recently used past it.
         prefix_block: tokens per block of the prefix cache: a prompt that starts with whole blocks an earlier prompt
             started with copies that prefix's stored K/V instead of prefilling it; 0 (the default) turns it off.
+        step_probe: an object whose `step(cache)` returns a context manager the loop thread enters around each
+            decode step of the running batch (not its prefill chunks or regroups), given the batch's cache (a
+            `DualDecoderCache`, or a `DynamicCache` for dense rows); e.g. the serving benchmark's per-step
+            synchronization points and blocked time (`eval/throughput/launch_thread.py`). None (the default): none.
 
     Creating a scheduler frees the calling thread's idle OpenMP worker threads (`openmp_pool.py`): with them alive,
     torch runs several times slower per small operator on the loop thread of a CPU-only host. Create it on the
@@ -69,7 +74,7 @@ class Scheduler:
 
     def __init__(self, model, tokenizer=None, cache_config: DualDecoderConfig | dict | None = None,
                  dense: bool = False, max_batch: int = 8, max_host_bytes: int | None = None,
-                 prefix_block: int = 0) -> None:
+                 prefix_block: int = 0, step_probe=None) -> None:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}.")
         if isinstance(prefix_block, bool) or not isinstance(prefix_block, int) or prefix_block < 0:
@@ -80,7 +85,7 @@ class Scheduler:
         self.dual_config = None if dense else (
             cache_config if isinstance(cache_config, DualDecoderConfig)
             else DualDecoderConfig.from_dict(cache_config or {}))
-        self.max_batch, self.max_host_bytes = max_batch, max_host_bytes
+        self.max_batch, self.max_host_bytes, self.step_probe = max_batch, max_host_bytes, step_probe
         self.prefix_block = 0 if dense else prefix_block
         self.max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
         self.sessions = SessionStore(max_host_bytes)
@@ -306,7 +311,9 @@ class Scheduler:
                 self._retire(row, None)
         if any(not r.done for r in self.batch.rows):
             try:
-                self.batch.step()
+                probe = self.step_probe
+                with contextlib.nullcontext() if probe is None else probe.step(self.batch.cache):
+                    self.batch.step()
             except Exception as error:  # noqa: BLE001 - the batch is lost: every row of it fails
                 message = f"{type(error).__name__}: {error}"
                 for row in self.batch.rows:

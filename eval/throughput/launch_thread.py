@@ -41,12 +41,17 @@ def wait_seconds(cache) -> float:
 class StepProbe:
     """Per-step synchronization points and blocked seconds of one launch thread (see the module docstring).
 
+    Args:
+        count: whether `step` counts synchronization points (a TorchFunctionMode that adds Python work to every
+            torch call of the thread); False records the blocked seconds only. `counting` counts when it is used.
+
     Attributes:
         steps: one `(sync points by operation, blocked seconds)` per recorded step, in order.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, count: bool = True) -> None:
         self.steps: list[tuple[Counter, float]] = []
+        self.count = count
         self.counter: SyncCounter | None = None
         self.counted = False  # whether synchronization points were counted (`counting` or `step`)
         self._last: tuple[Counter, float] | None = None
@@ -70,11 +75,21 @@ class StepProbe:
             self.steps.append((now[0] - self._last[0], now[1] - self._last[1]))
         self._last = now
 
+    def restart(self) -> None:
+        """Forget the last boundary: the next `mark` starts a new run of steps (e.g. the next `generate()` call,
+        on a new cache), so no step spans two calls."""
+        self._last = None
+
     @contextlib.contextmanager
     def step(self, cache=None) -> Iterator[None]:
-        """Record the block as one step, counted on the calling thread (the serving scheduler's loop thread);
-        `cache`: the batch's cache (its wait clock)."""
+        """Record the block as one step, its synchronization points counted on the calling thread (the serving
+        scheduler's loop thread) when `count`; `cache`: the batch's cache (its wait clock), or None. A block that
+        raises records nothing."""
         before = wait_seconds(cache)
+        if not self.count:
+            yield
+            self.steps.append((Counter(), wait_seconds(cache) - before))
+            return
         self.counted = True
         with SyncCounter() as counter:
             yield
