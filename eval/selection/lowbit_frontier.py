@@ -37,8 +37,8 @@ def frontier_table(bench: list[list[dict]], recall: dict[str, list[dict]]) -> st
     (`options`, `mean`, `p10`: shares of the exact top-k mass). Raises KeyError when a context lacks either
     selector's row."""
     by_config = {name: {config_key(r["options"]): r for r in rows if r.get("options")} for name, rows in recall.items()}
-    lines = [HEADER, "", "| channels | factor | context | key MiB / step (vs exact) | exact ms / step | lowbit ms / step "
-             "| exact / lowbit | " + " | ".join(f"recall {name}" for name in recall) + " |",
+    lines = [HEADER, "", "| channels | factor | context | key MiB / step (vs exact) | exact ms / step "
+             "| lowbit ms / step | exact / lowbit | " + " | ".join(f"recall {name}" for name in recall) + " |",
              "|---|---|---|---|---|---|---|" + "---|" * len(recall)]
     for rows in bench:
         for context in sorted({r["context"] for r in rows}):

@@ -98,7 +98,8 @@ def profile_model(model, ids: torch.Tensor, new: int, budget: int = 256) -> dict
         "dense_step_ms": dense.step_ms(), "dense_one_token_forward_ms": 1e3 * statistics.median(one),
         "dense_two_token_forward_ms": 1e3 * statistics.median(two), "dual_step_ms": dual_ms,
         "retrieval_ms_per_step (host threads)": per("retrieval_seconds"), "waited_ms_per_step": per("wait_seconds"),
-        "repair_ms_per_step": per("repair_seconds"), "repaired_steps": int(stats["repaired_steps"]), "steps": int(stats["steps"]),
+        "repair_ms_per_step": per("repair_seconds"), "repaired_steps": int(stats["repaired_steps"]),
+        "steps": int(stats["steps"]),
         "spec_hit_rate": stats["spec_hits"] / max(stats["spec_steps"], 1),
         "dual_minus_two_token_forward_ms": dual_ms - 1e3 * statistics.median(two),
     }
