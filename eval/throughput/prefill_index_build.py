@@ -19,6 +19,7 @@ import time
 import torch
 
 from ...help_format import DefaultsHelpFormatter
+from .step_profile import prompt_ids
 
 SELECTORS = ("exact", "lowbit")
 
@@ -26,10 +27,8 @@ SELECTORS = ("exact", "lowbit")
 def time_prefills(model, tokens: int, rounds: int, budget: int = 256, seed: int = 0) -> dict:
     """Time `rounds` alternating `generate()` calls per selector (one new token after `tokens` random token ids,
     batch 1, `budget` tokens per KV head). Returns seconds per round and the best (minimum) per selector, and
-    `lowbit_over_exact`, the ratio of the two best rounds; token ids from `seed`."""
-    vocab = model.config.vocab_size
-    low = min(100, vocab // 4)  # clear of the special tokens at either end of a real vocabulary
-    ids = torch.randint(low, vocab - low, (1, tokens), generator=torch.Generator().manual_seed(seed))
+    `lowbit_over_exact`, the ratio of the two best rounds; random token ids (`step_profile.prompt_ids`) from `seed`."""
+    ids = prompt_ids(None, model.config.vocab_size, tokens, 1, "random", seed)
     seconds: dict[str, list[float]] = {name: [] for name in SELECTORS}
     for _ in range(rounds):
         for selector in SELECTORS:

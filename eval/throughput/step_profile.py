@@ -4,7 +4,8 @@
     python -m dual_cache.eval.throughput.step_profile --prompt random --tokens 8176 --batch 4 --new 16 --threads 2
 
 `--prompt needle` (the default): the demo's word-needle prompt, the same for every sequence of the batch; `--prompt
-random`: `--tokens` random token ids per sequence (ids 100 to vocabulary size - 100, seeded).
+random`: `--tokens` random token ids per sequence (seeded; clear of the special tokens at either end of a real
+vocabulary).
 
 Rows (milliseconds per decode step, medians of the timed steps): the dense step (one token); a dense forward of two
 tokens over the same prompt (what the second row of a two-token forward costs without any of the cache's work); the
@@ -45,9 +46,11 @@ class _StepTimes:
 
 def prompt_ids(tokenizer, vocab_size: int, tokens: int, batch: int, prompt: str, seed: int) -> torch.Tensor:
     """The profiled prompt: (batch, length) int64 token ids; `prompt` is "needle" (the demo's chat-formatted word
-    needle, length a little over `tokens`, repeated per sequence) or "random" (`tokens` ids per sequence)."""
+    needle, length a little over `tokens`, repeated per sequence) or "random" (`tokens` ids per sequence, drawn
+    from [low, vocab_size - low) with low = min(100, vocab_size // 4); `tokenizer` unused)."""
     if prompt == "random":
-        return torch.randint(100, vocab_size - 100, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+        low = min(100, vocab_size // 4)  # clear of the special tokens at either end of a real vocabulary
+        return torch.randint(low, vocab_size - low, (batch, tokens), generator=torch.Generator().manual_seed(seed))
     from ..quality.needle import make_needle_prompt, format_chat
 
     text = make_needle_prompt(tokenizer, tokens, seed=seed).text
