@@ -374,13 +374,6 @@ class TransferSchedule:
         independent of context and layer count."""
         return sum(slot.nbytes for ring in self._rings.values() for slot in ring)
 
-    def overlap_ratio(self) -> float:
-        """With a device clock (CUDA, after `close`): `1 − (device_wait + device_starved) / device_step`, the share
-        of the compute stream's step time it was not idle for selections (waiting for a copy, or without work while
-        the launch thread waited on host selection). Else `1 − waited / (retrieval + copy)`, the share of host
-        retrieval and copies hidden behind compute. 1 when everything overlaps; nan before any."""
-        return overlap_ratio(vars(self))
-
     def _read_device_clock(self) -> None:
         """Sum the timing event pairs of the steps the next step's mark closes (all but the last) into
         `device_wait_seconds`, `device_starved_seconds` and `device_step_seconds`, so the idle time and the step

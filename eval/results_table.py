@@ -98,7 +98,7 @@ def collect(root: str = "results") -> list[dict]:
     return out
 
 
-RULER_TABLE = ("eval", "ruler-table")  # the RULER table's rows (results/eval/ruler-table/run.sh) and ruler_table.md
+RULER_TABLE = ("eval", "ruler-table")  # the RULER table's rows (eval/quality/ruler_table_run.sh) and ruler_table.md
 RULER_NAMES = {"HuggingFaceTB/SmolLM2-135M-Instruct": "SmolLM2-135M", "google/gemma-3-270m": "Gemma-3-270M"}
 
 

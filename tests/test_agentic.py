@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 from dual_cache import DualDecoderCache
 from dual_cache.host_store import live_host_bytes
-from dual_cache.retrieval import _logits
+from dual_cache.eval.selection.torch_exact import query_key_logits
 from dual_cache.selectors import SELECTORS
 from tests.conftest import TINY_MODELS, record_selections, six_layer_llama
 
@@ -206,9 +206,9 @@ def test_queries_of_every_sequence_against_shared_keys_equal_per_sequence_produc
     shared = torch.randn(1, 2, 50, 8, generator=generator)
     own = torch.randn(3, 2, 20, 8, generator=generator)
     query = torch.randn(3, 6, 8, generator=generator)
-    got = _logits(query, [shared, own])
+    got = query_key_logits(query, [shared, own])
     for row in range(3):
-        expected = _logits(query[row : row + 1], [shared, own[row : row + 1]])
+        expected = query_key_logits(query[row : row + 1], [shared, own[row : row + 1]])
         torch.testing.assert_close(got[row : row + 1], expected)
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dual_cache import retrieval
+from dual_cache.eval.selection import torch_exact
 from dual_cache.host_store import HostKVStore, live_host_bytes
 
 
@@ -18,7 +19,7 @@ def _inputs(seed, batch=2, q_heads=6, kv_heads=2, n=97, dim=16):
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_group_mass_matches_per_head_softmax(seed):
     query, keys, candidates = _inputs(seed)
-    mass = retrieval.group_attention_mass(query, keys, candidates, scaling=0.25)
+    mass = torch_exact.group_attention_mass(query, keys, candidates, scaling=0.25)
     groups = query.shape[1] // keys.shape[1]
     for b in range(query.shape[0]):
         for h in range(query.shape[1]):
@@ -37,8 +38,8 @@ def test_group_mass_matches_per_head_softmax(seed):
 @pytest.mark.parametrize("budget", [1, 10, 96, 200])
 def test_topk_selects_the_highest_mass_candidates(seed, budget):
     query, keys, candidates = _inputs(seed)
-    indices, valid = retrieval.select(query, keys, candidates, budget, scaling=0.25)
-    mass = retrieval.group_attention_mass(query, keys, candidates, scaling=0.25)
+    indices, valid = torch_exact.select(query, keys, candidates, budget, scaling=0.25)
+    mass = torch_exact.group_attention_mass(query, keys, candidates, scaling=0.25)
     assert indices.shape == valid.shape == (2, 2, budget)
     for b in range(2):
         for h in range(2):
@@ -96,8 +97,8 @@ def test_host_store_refuses_allocation_through_on_alloc():
 @pytest.mark.parametrize("seed", [4, 5])
 def test_chunked_keys_give_the_same_mass(seed):
     query, keys, candidates = _inputs(seed)
-    whole = retrieval.group_attention_mass(query, keys, candidates, scaling=0.25)
-    chunked = retrieval.group_attention_mass(query, list(keys.split(40, dim=2)), candidates, scaling=0.25)
+    whole = torch_exact.group_attention_mass(query, keys, candidates, scaling=0.25)
+    chunked = torch_exact.group_attention_mass(query, list(keys.split(40, dim=2)), candidates, scaling=0.25)
     torch.testing.assert_close(chunked, whole)
 
 
@@ -107,7 +108,7 @@ def test_products_in_either_operand_order_equal_the_float_product(seed, dtype):
     gen = torch.Generator().manual_seed(seed)
     keys = torch.randn(3, 2, 301, 64, generator=gen).to(dtype)
     rows = torch.randn(3, 2, 5, 64, generator=gen).to(dtype)
-    product = retrieval.products(rows, keys)
+    product = torch_exact.products(rows, keys)
     assert product.shape == (3, 2, 5, 301) and product.dtype == dtype
     reference = rows.double() @ keys.double().transpose(-1, -2)
     # the output's rounding plus the accumulation's, bounded by the product of magnitudes
@@ -119,8 +120,8 @@ def test_products_in_either_operand_order_equal_the_float_product(seed, dtype):
 def test_bf16_mass_over_a_shared_chunk_equals_the_per_sequence_mass(seed):
     query, keys, candidates = _inputs(seed, batch=3)
     shared = keys[:1].to(torch.bfloat16)
-    together = retrieval.group_attention_mass(query, shared, candidates, scaling=0.25)
-    apart = torch.cat([retrieval.group_attention_mass(query[b : b + 1], shared, candidates[b : b + 1], scaling=0.25)
+    together = torch_exact.group_attention_mass(query, shared, candidates, scaling=0.25)
+    apart = torch.cat([torch_exact.group_attention_mass(query[b : b + 1], shared, candidates[b : b + 1], scaling=0.25)
                        for b in range(3)])
     torch.testing.assert_close(together, apart)
 

@@ -45,7 +45,7 @@ from ...config import DualDecoderConfig
 from ...engine import native
 from ...help_format import DefaultsHelpFormatter
 from ...host_store import HostKVStore, advise_huge_pages
-from ...retrieval import select as torch_select
+from .torch_exact import select as torch_select
 from ...selectors import SELECTORS, Candidates
 from ..outputs import default_out, write_rows_and_table
 from ..spread import load_average, load_warning

@@ -43,7 +43,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ...help_format import DefaultsHelpFormatter
 from ...models import model_display_name
-from ...retrieval import group_attention_mass
+from .torch_exact import group_attention_mass
 from ...speculators import SelfSpeculator
 from ...step import cache_kwarg_name
 from ..outputs import default_out, write_rows_and_table

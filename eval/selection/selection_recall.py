@@ -34,7 +34,7 @@ from ...config import DualDecoderConfig
 from ...help_format import DefaultsHelpFormatter
 from ...host_store import HostKVStore
 from ...models import model_display_name
-from ...retrieval import group_attention_mass
+from .torch_exact import group_attention_mass
 from ...selectors import SELECTORS, Candidates
 from ..quality.needle import format_chat, make_needle_prompt
 from ..quality.needle_sweep import load_tool_model, parse_seeds, threads_arg

@@ -2,7 +2,7 @@
 // random keys of the Llama-3.1-8B shape (8 KV heads x 4 query heads x 128 channels, bf16, budget 256), `layers`
 // distinct layers (each its own keys and 2-bit index, so the last-level cache holds none of them between calls),
 // the two selectors alternated round by round and the best round of each kept: a ratio that a noisy shared host
-// leaves stable. Build and run from the repository root (README.md next to this file has the command).
+// leaves stable. Build and run from the repository root (results/bench/engine-c-harness/README.md has the command).
 #include ENGINE
 #include <chrono>
 #include <cmath>

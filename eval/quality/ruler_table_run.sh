@@ -4,7 +4,7 @@
 # Resumable: rerun the same line and it continues where it stopped. Run from the repository root with the venv's
 # dual-decoder on PATH (`source .venv/bin/activate`); --threads 1: on the shared 2-core machine two intra-op threads
 # ran decode ~7x slower than one while other processes held the cores.
-#   bash results/eval/ruler-table/run.sh smollm2-4k | smollm2-4k-sampled | gemma3-16k | recall
+#   bash eval/quality/ruler_table_run.sh smollm2-4k | smollm2-4k-sampled | gemma3-16k | recall
 set -euo pipefail
 OUT=results/eval/ruler-table
 TASKS="niah_single_1 niah_single_2 niah_single_3 niah_multikey_1 niah_multikey_2 niah_multikey_3 niah_multivalue
@@ -30,6 +30,6 @@ case "${1:-}" in
       dual-decoder recall --ruler-task $task --tokens 4096 --seeds 0-3 --budget 256 --queries 8 --threads 1 \
           --configs exact lowbit --out $OUT/recall/smollm2-135m-4k-$task
     done
-    python results/eval/ruler-table/recall_summary.py $OUT/recall/smollm2-135m-4k-*.json > $OUT/recall/summary.md ;;
+    python -m dual_cache.eval.quality.ruler_recall_summary $OUT/recall/smollm2-135m-4k-*.json > $OUT/recall/summary.md ;;
   *) echo "usage: $0 smollm2-4k | smollm2-4k-sampled | gemma3-16k | recall" >&2; exit 2 ;;
 esac
