@@ -12,8 +12,8 @@ Per (sequence, KV head), with the GQA group's `G` query heads `q_h` (float32, af
    candidates, plus every candidate the index does not cover (before the first group, after the last complete
    one), go to the exact stage.
 2. **Exact stage**: float32 logits `s · (q_h · k)` of those positions, each head's softmax over them, summed over
-   the group (the attention mass of `retrieval.group_attention_mass`, normalised over the rescored positions); the
-   `budget` best.
+   the group (the attention mass of `dual_cache.eval.selection.torch_exact.group_attention_mass`, normalised over
+   the rescored positions); the `budget` best.
 
 Ties (equal scores) go to the lower position, in both stages. The engine computes the scan's integers and
 float32 steps identically; its `exp` is a polynomial and its exact logits sum products in another order, so `LZ_h`
