@@ -49,7 +49,7 @@ def test_bench_runs_every_cell_each_round_with_the_methods_rotated(monkeypatch):
 
     monkeypatch.setattr(bench, "run_cell", fake_cell)
     monkeypatch.setattr(bench, "weight_bytes", lambda model: 0)
-    monkeypatch.setattr(bench, "PromptSource", lambda *args: None)
+    monkeypatch.setattr(bench, "PromptSource", lambda *args, **kwargs: None)
     monkeypatch.setattr(spread, "load_average", lambda: 9.0)
 
     class Model:
