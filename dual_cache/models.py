@@ -123,8 +123,8 @@ def load_model(name_or_path: str | None = None, dtype: torch.dtype = torch.float
         FileNotFoundError: a `.gguf` path that is not a file.
         ValueError: a name close to a named model's that is neither a local path nor a Hub id with an owner
             (a typo: the message names the model meant).
-        OSError: transformers could not load it (no such folder or Hub id, no network); the message lists the
-            named models.
+        OSError: transformers could not load it (no such folder or Hub id, no network; the message lists the
+            named models), or a local folder has no tokenizer files.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -150,6 +150,13 @@ def load_model(name_or_path: str | None = None, dtype: torch.dtype = torch.float
         name_or_path = os.path.dirname(os.path.abspath(name_or_path))
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+    except (OSError, ValueError) as error:  # transformers raises ValueError for a folder without tokenizer files
+        if not os.path.isdir(name_or_path):
+            raise
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise OSError(f"Could not load the tokenizer of {given!r} ({first}): the folder needs the model's tokenizer "
+                      "files beside its config.json (e.g. `tokenizer.save_pretrained(folder)`).") from error
+    try:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kwargs, **parallel)
         model = (model if parallel else model.to(device)).eval()
     except OSError as error:

@@ -37,3 +37,13 @@ def test_gemma3_270m_loads_by_name():
     assert config.max_position_embeddings == 32768 and config.sliding_window == 512
     assert config.layer_types.count("full_attention") == 3
     assert not getattr(tokenizer, "chat_template", None) and tokenizer.padding_side == "left"
+
+
+def test_a_model_folder_without_a_tokenizer_is_refused_with_what_to_add(tmp_path):
+    """A folder holding weights and config but no tokenizer files: an OSError that says what the folder lacks (not
+    transformers' ValueError cut off at its first line)."""
+    from tests.conftest import tiny_llama
+
+    tiny_llama().save_pretrained(tmp_path)
+    with pytest.raises(OSError, match="needs the model's tokenizer files"):
+        models.load_model(str(tmp_path))
