@@ -83,3 +83,36 @@ def test_a_repaired_step_waits_per_layer():
         counts[layers] = sum(per_step(model, lambda: {"cache": ForcedMissCache(
             model.config, miss_rate=1.0, **OPTIONS)}).values())
     assert counts[8] > counts[4] >= 4
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+def test_a_requests_first_decode_step_waits_at_most_twice_too(sample):
+    """The first decode step (no speculated token has chosen its entries yet: every row continues its prompt's
+    last query's selection) counted on its own, between the first and the second generated token at batch 8: no
+    layer waits for the host, at 4 layers as at 32."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Marks(BaseStreamer):
+        def __init__(self, counter):
+            self.counter, self.totals = counter, []
+
+        def put(self, value):
+            self.totals.append(self.counter.total)
+
+        def end(self):
+            pass
+
+    ids = torch.randint(3, 90, (8, 120), generator=torch.Generator().manual_seed(2))
+    sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0} if sample else {"do_sample": False}
+    first = {}
+    for layers in (4, 32):
+        model = _model(layers)
+        torch.manual_seed(0)
+        with SyncCounter() as counter:
+            marks = Marks(counter)
+            model.generate(ids, max_new_tokens=3, streamer=marks, cache_implementation="dual",
+                           cache_config=OPTIONS, **sampling)
+        # puts: the prompt, the token from the prefill's logits, the token of the first decode step
+        first[layers] = marks.totals[2] - marks.totals[1]
+        assert first[layers] <= 2, (layers, first)
+    assert first[4] == first[32]
