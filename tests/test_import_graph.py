@@ -172,3 +172,24 @@ def test_library_imports_nothing_from_eval():
 
 def _in_eval(module: str) -> bool:
     return module == EVAL or module.startswith(EVAL + ".")
+
+
+def test_installed_eval_commands_are_pyprojects():
+    """`dual-decoder` finds the evaluation's commands through the `dual_cache.commands` entry points that pip wrote
+    from pyproject.toml; an installation older than the table lacks commands (or names moved modules)."""
+    import tomllib
+    from importlib.metadata import entry_points
+
+    from dual_cache.cli import EVAL_COMMANDS
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"][EVAL_COMMANDS]
+    installed = {entry.name: entry.value for entry in entry_points(group=EVAL_COMMANDS)}
+    assert installed == declared, (
+        f"the installed {EVAL_COMMANDS} entry points {installed} differ from pyproject.toml's {declared}: reinstall "
+        "(`make install`, or `pip install -e .`) so `dual-decoder` lists the evaluation's commands")
+    modules = module_files()
+    for name, value in declared.items():
+        module = value.partition(":")[0]
+        assert _in_eval(module) and module in modules, (
+            f"entry point {name} = {value!r}: name a module of dual_cache.eval (eval/); the library's own commands are "
+            "added by dual_cache/cli.py's build_parser")
