@@ -532,8 +532,8 @@ def generate_sample(tokenizer, task: str, length: int, seed: int, fmt: PromptFor
         fmt: the model wrapper (`chat_format.prompt_format`; default plain text, RULER's `"base"`).
         template: `"ruler"` (RULER's wording), or `"simple"`: NIAH only, not RULER's — the needle "The special magic
             number for K is: V.", no preamble and no answer prefix, the question "What is the special magic number
-            for K mentioned in the text above? Answer with the number only." (`needle.py`'s wording, which the
-            embedded 135M model answers with dense attention).
+            for K mentioned in the text above? Answer with the number only." (`dual_cache/needle_prompt.py`'s
+            wording, which the embedded 135M model answers with dense attention).
         qa_dir: folder holding `squad.json` / `hotpotqa.json` for `qa_1` / `qa_2`.
 
     Returns:
