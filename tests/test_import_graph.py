@@ -3,7 +3,8 @@ and `eval/`, installed as `dual_cache.eval`), and the library imports nothing fr
 a function (docs/architecture.md: evaluation sits on top; the CLI reaches it through the `dual_cache.commands`
 entry-point group).
 
-Every `import` statement counts, at module level or inside a function or class body. `from pkg import name` is an
+Every `import` statement counts, at module level or inside a function or class body (under `if TYPE_CHECKING:` too:
+a type-only import of the evaluation code still ties the library to it). `from pkg import name` is an
 edge to `pkg.name` when that is a module of the package, else to `pkg`; relative imports are resolved against the
 importing module's package. Importing `a.b.c` also runs `a` and `a.b`'s `__init__`, but those edges are not drawn:
 a loop through a package's `__init__` shows up as the package importing its submodule and the submodule importing a
@@ -142,6 +143,12 @@ def test_resolution_of_relative_and_from_imports(tmp_path):
     init = tmp_path / "sub" / "__init__.py"
     init.write_text("from . import b\nfrom .b import helper\nfrom .. import a\n")
     assert imports_of("p.sub", init, modules) == {"p.sub.b": 1, "p.a": 3}
+
+
+def test_a_loop_is_found_as_a_closed_path():
+    graph = {"m.a": {"m.b": 3}, "m.b": {"m.c": 5}, "m.c": {"m.a": 7, "m.d": 8}, "m.d": {}, "m.e": {"m.a": 1}}
+    assert cycles(graph) == [["m.a", "m.b", "m.c", "m.a"]]
+    assert cycles({"m.a": {"m.b": 1}, "m.b": {}}) == []
 
 
 def test_no_import_loop():
