@@ -22,7 +22,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 
 from .config import DualDecoderConfig
 from .host_memory import HostMemory, HostMemoryError, available_host_bytes  # noqa: F401  (public re-exports)
-from .host_store import HostKVStore, planned_capacity
+from .host_growth import planned_capacity
+from .host_store import HostKVStore
 from .call import DualCall
 from .layer import DualLayer
 from .repair import StepRows

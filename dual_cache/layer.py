@@ -18,7 +18,8 @@ from .kernels import KVSegment
 from .repair import StepRows, rows_to_repair
 from .rerank import rerank_valid
 from .schedule import TransferSchedule
-from .selectors import SELECTORS, Candidates, Selector
+from .selection import Candidates
+from .selectors import SELECTORS, Selector
 from .sequences import SequenceState
 
 

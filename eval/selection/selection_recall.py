@@ -35,7 +35,8 @@ from ...help_format import DefaultsHelpFormatter
 from ...host_store import HostKVStore
 from ...models import model_display_name
 from .torch_exact import group_attention_mass
-from ...selectors import SELECTORS, Candidates
+from ...selection import Candidates
+from ...selectors import SELECTORS
 from ..quality.needle import format_chat, make_needle_prompt
 from ..quality.needle_sweep import load_tool_model, parse_seeds, threads_arg
 from ..outputs import default_out, write_rows_and_table
