@@ -129,12 +129,15 @@ class DualLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def check_crop(self, tokens_to_remove: int) -> None:
+        """Raise `ValueError` for a crop this layer refuses (`SequenceState.check_crop`: a positive count; between
+        requests, one into the sink or leading pads); nothing is changed."""
+        self.sequences.check_crop(tokens_to_remove, self.get_seq_length(), self.schedule is None)
+
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last `-tokens_to_remove` tokens (negative counts only, as transformers ≥5.22)."""
-        if tokens_to_remove > 0:
-            raise ValueError(
-                f"crop({tokens_to_remove}): pass a negative count of tokens to remove, e.g. crop(-1)."
-            )
+        """Remove the last `-tokens_to_remove` tokens (negative counts only, as transformers ≥5.22), after
+        `check_crop`."""
+        self.check_crop(tokens_to_remove)
         if tokens_to_remove == 0 or self.host is None:
             return
         unstored = min(-tokens_to_remove, self.unstored)  # the step's speculated token: never stored

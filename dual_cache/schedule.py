@@ -391,14 +391,3 @@ class TransferSchedule:
                 self._repair_buffers = []
                 self._repair_free = None
                 self._slot_free.clear()
-
-
-def overlap_ratio(counters: dict) -> float:
-    """The pipeline's overlap from schedule counters (`TransferSchedule` attributes, or their sums over requests):
-    with a device clock `1 − (device_wait_seconds + device_starved_seconds) / device_step_seconds`, else
-    `1 − wait_seconds / (retrieval_seconds + copy_seconds)`; clamped at 0, nan before any decode step."""
-    if counters["device_step_seconds"] > 0:
-        idle = counters["device_wait_seconds"] + counters["device_starved_seconds"]
-        return max(0.0, 1.0 - idle / counters["device_step_seconds"])
-    busy = counters["retrieval_seconds"] + counters["copy_seconds"]
-    return float("nan") if busy == 0 else max(0.0, 1.0 - counters["wait_seconds"] / busy)
