@@ -180,7 +180,7 @@ class DualDecoderCache(Cache):
             layer.begin_request(self.schedule, tokens, reserve=plan.reserve)
 
     def _share(self, batch_size: int) -> None:
-        """The one stored sequence becomes a prefix that `batch_size` sequences continue (`cache_layers.share_layers`)."""
+        """The one stored sequence becomes a prefix `batch_size` sequences continue (`cache_layers.share_layers`)."""
         self.sequences.share(batch_size)
         if self.token_ids is not None:
             self.token_ids = self.token_ids.expand(batch_size, -1).clone()

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicSlidingWindowLayer
 
+from .cache_stats import layer_host_bytes
 from .config import DualDecoderConfig
 from .host_memory import HostMemory
 from .layer import DualLayer
@@ -84,7 +85,7 @@ def slide(layer: DualLayer, sliding_window: int, sequences: SequenceState,
         layer.host.read_into(first, stored, keys, values)
         sliding.lazy_initialization(keys[:, :, :0], values[:, :, :0])
         sliding.keys, sliding.values, sliding.cumulative_length = keys, values, stored
-    freed = layer.host_bytes
+    freed = layer_host_bytes(layer)
     layer.free()
     host_memory.release(freed)
     return sliding

@@ -33,14 +33,37 @@ def overlap_ratio(counters: dict) -> float:
     return float("nan") if busy == 0 else max(0.0, 1.0 - counters["wait_seconds"] / busy)
 
 
+def layer_device_bytes(layer: DualLayer) -> int:
+    """Bytes of a full-attention layer's device tiers: sink, window ring, what the selector keeps there (the Quest
+    baseline's page metadata); selection slots are pooled and counted by the schedule."""
+    tensors = (layer.sink_keys, layer.sink_values, layer.ring_keys, layer.ring_values)
+    selector = 0 if layer.selector is None else layer.selector.device_bytes
+    return sum(t.nbytes for t in tensors if t is not None) + selector
+
+
+def layer_host_bytes(layer: DualLayer) -> int:
+    """Host bytes of a full-attention layer's store and of its selector's host state (an index, a key copy)."""
+    if layer.host is None:
+        return 0
+    return layer.host.nbytes + (0 if layer.selector is None else layer.selector.host_bytes)
+
+
+def layer_dense_bytes(layer: DualLayer) -> int:
+    """Bytes a `DynamicCache` layer would hold for the same tokens as a full-attention layer."""
+    if layer.host is None:
+        return 0
+    batch, kv_heads = layer.host.shape_prefix
+    return 2 * batch * kv_heads * layer.host.length * layer.host.head_dim * layer.host.element_size
+
+
 def host_and_dense_bytes(layers: Sequence[Any]) -> tuple[int, int]:
     """`(host bytes, dense-equivalent bytes)` of a cache's `layers`: the full-attention layers' stores and selector
     host state; the bytes a `DynamicCache` would hold on the device for the same tokens (sliding windows included)."""
     host = dense = 0
     for layer in layers:
         if isinstance(layer, DualLayer):
-            host += layer.host_bytes
-            dense += layer.dense_bytes()
+            host += layer_host_bytes(layer)
+            dense += layer_dense_bytes(layer)
         elif layer.is_initialized and layer.keys is not None:
             dense += layer.keys.nbytes + layer.values.nbytes
     return host, dense
@@ -52,7 +75,7 @@ def device_bytes(layers: Sequence[Any], schedule: Any | None) -> int:
     device = 0 if schedule is None else schedule.device_bytes
     for layer in layers:
         if isinstance(layer, DualLayer):
-            device += layer.device_bytes
+            device += layer_device_bytes(layer)
         elif layer.is_initialized and layer.keys is not None:
             device += layer.keys.nbytes + layer.values.nbytes
     return device

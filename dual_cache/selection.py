@@ -3,6 +3,7 @@
 `Candidates` are the positions a selector may choose from for one layer's sequences; a `Selection` holds the entries
 chosen for one (step, layer): positions, validity and the gathered K/V, in host staging before its copy and in a
 device slot after it (docs/design.md §2, steps 1 and 3). Neither type knows selectors, schedules or caches.
+`compact_positions` keeps the positions a step's selection attended, for the next step's (`fetch_next`).
 """
 
 from __future__ import annotations
@@ -96,3 +97,11 @@ class Selection:
 def selection_fields(selection: Selection) -> tuple[torch.Tensor, ...]:
     """The four tensors of `selection` in copy order: indices, valid, keys, values."""
     return selection.indices, selection.valid, selection.keys, selection.values
+
+
+def compact_positions(positions: torch.Tensor, width: int) -> torch.Tensor:
+    """`(B, H_kv, width)`: the largest `width` entries of `positions` `(B, H_kv, n)` (positions, -1 where none), i.e.
+    every position when at most `width` are set, padded with -1."""
+    if positions.shape[2] >= width:
+        return torch.topk(positions, width, dim=-1).values
+    return torch.nn.functional.pad(positions, (0, width - positions.shape[2]), value=-1)
