@@ -78,7 +78,8 @@ class DualDecoderCache(Cache):
         self.host_memory = HostMemory(self.dual_config.max_host_bytes)
         self.schedule: TransferSchedule | None = None  # the running request's
         self.max_cache_len = max_cache_len
-        self.accounting = CacheAccounting()  # speculation, requests and schedule counters; `stats()`, `timeline()`
+        self.requests = 0  # requests begun on this cache
+        self.accounting = CacheAccounting()  # speculation and schedule counters, for `stats()` and `timeline()`
         self.token_ids: torch.Tensor | None = None  # (B, stored) int64 host: the stored positions' token ids
         super().__init__(layers=self._build_layers(max_cache_len))
 
@@ -174,7 +175,7 @@ class DualDecoderCache(Cache):
         if stored and batch_size != self.sequences.valid.shape[0]:
             self._share(batch_size)
         self.sequences.set_prompt(valid, batch_size, input_tokens)
-        self.accounting.requests += 1
+        self.requests += 1
         self._ensure_schedule(device)
         for layer in self.layers:
             layer.begin_request(self.schedule, tokens, reserve=plan.reserve)
@@ -317,13 +318,12 @@ class DualDecoderCache(Cache):
     def batch_select_indices(self, indices: torch.Tensor):
         raise NotImplementedError("DualDecoderCache cannot drop sequences after prefill.")
 
-    # --- accounting ------------------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
         """Memory, traffic and pipeline accounting over every request of this cache (frozen when it is closed):
         device, host and dense-equivalent bytes, bytes copied, speculation outcomes, steps and requests, the
         pipeline's times and overlap, repairs, and the tensor-parallel rank; every key is described at
         `cache_stats.CacheAccounting.stats`."""
-        return self.accounting.stats(self.layers, self.schedule, self.get_seq_length(), self.shard)
+        return self.accounting.stats(self.layers, self.schedule, self.get_seq_length(), self.requests, self.shard)
 
     @property
     def held_device_bytes(self) -> int:

@@ -93,7 +93,6 @@ class CacheAccounting:
     Attributes:
         spec_hits, spec_steps: speculated tokens that equalled the real one / speculated tokens.
         drift_repairs: repairs made for drifted queries on hit steps (`call.DualCall.drift_repairs`).
-        requests: requests begun on the cache.
         finished: schedule counters (`SCHEDULE_COUNTERS`) of the requests that ended; records: their timelines.
         decoding_device_bytes: device bytes the last ended request held while decoding.
         final: the stats `close()` froze; None while the cache is open.
@@ -103,7 +102,6 @@ class CacheAccounting:
         self.spec_hits = 0
         self.spec_steps = 0
         self.drift_repairs = 0
-        self.requests = 0
         self.finished = dict.fromkeys(SCHEDULE_COUNTERS, 0)
         self.records: list[dict] = []
         self.decoding_device_bytes = 0
@@ -114,10 +112,11 @@ class CacheAccounting:
         add_counters(self.finished, schedule)
         self.records.extend(schedule.timeline())
 
-    def stats(self, layers: Sequence[Any], schedule: Any | None, seq_length: int, shard: Any) -> dict[str, float]:
+    def stats(self, layers: Sequence[Any], schedule: Any | None, seq_length: int, requests: int,
+              shard: Any) -> dict[str, float]:
         """The cache's stats (`DualDecoderCache.stats`): the frozen ones once closed, else computed from its `layers`,
-        the running request's `schedule` (None between requests), the tokens stored (`seq_length`) and the KV heads
-        it holds (`shard`, a `tensor_parallel.TensorShard`).
+        the running request's `schedule` (None between requests), the tokens stored (`seq_length`), the requests
+        begun (`requests`) and the KV heads it holds (`shard`, a `tensor_parallel.TensorShard`).
 
         Returns a dict with:
             device_bytes: bytes resident on the compute device (while a request decodes: sink + window tiers of
@@ -156,7 +155,7 @@ class CacheAccounting:
             "spec_hits": self.spec_hits,
             "spec_steps": self.spec_steps,
             "seq_length": seq_length,
-            "requests": self.requests,
+            "requests": requests,
             **counters,
             "overlap_ratio": overlap_ratio(counters),
             "drift_repairs": self.drift_repairs,
