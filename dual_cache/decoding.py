@@ -24,7 +24,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import logging
 
 from .cache import DualDecoderCache
-from .compat import check_model_serves_dual
+from .checks import check_model_serves_dual
 from .model_inputs import CACHE_KWARGS, ModelInputs, forward_inputs, input_positions
 from .refusals import refuse
 from .sampling import StepSampler
@@ -59,7 +59,7 @@ def dual_sample(
 
     Raises:
         ValueError: before any work, for a model or model input the dual cache cannot serve
-            (`compat.check_model_serves_dual`, `refusals.REFUSED`).
+            (`checks.check_model_serves_dual`, `refusals.REFUSED`).
 
     Returns:
         `(B, P + new)` sequences, or `GenerateDecoderOnlyOutput` with `scores` / `logits` / `hidden_states` (the

@@ -35,7 +35,8 @@ from ...help_format import DefaultsHelpFormatter
 from ...host_store import HostKVStore
 from ...models import model_display_name
 from .torch_exact import group_attention_mass
-from ...selectors import SELECTORS, Candidates
+from ...selection import Candidates
+from ...selectors import SELECTORS
 from ...chat import format_chat
 from ...needle_prompt import make_needle_prompt
 from ..quality.needle_sweep import load_tool_model, parse_seeds, threads_arg
