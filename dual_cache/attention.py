@@ -51,7 +51,7 @@ def dual_attention(
         in prefill and for other layers).
 
     Raises:
-        ValueError: for attention dropout, which decode does not implement (`compat` refuses it before any work).
+        ValueError: for attention dropout, which decode does not implement (`checks` refuses it before any work).
     """
     layer = call.layers[module.layer_idx]
     if not isinstance(layer, DualLayer):

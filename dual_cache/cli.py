@@ -6,10 +6,16 @@ document), `serve` (OpenAI-compatible server), `bench-serve` (serving benchmark)
 and the analysis tools `bench-retrieval`, `recall`, `needle`, `agentic`, `gpu-check`. `dual-decoder COMMAND --help`
 shows each command's options and defaults."""
 
+# `generate` and `demo` are defined here, `serve` in serving/cli.py, `export-generate` in hub_cli.py. The evaluation's
+# commands (`bench`, `bench-serve`, `card`, `eval`, `report`, the tools) live in `dual_cache.eval`, which sits on top
+# of the library and is never imported by it (tests/test_import_graph.py): each registers a function
+# `add_parser(subparsers)` in the `dual_cache.commands` entry-point group (pyproject.toml), which `build_parser` calls.
+
 from __future__ import annotations
 
 import argparse
 import sys
+from importlib.metadata import entry_points
 
 import torch
 
@@ -19,6 +25,9 @@ from .help_format import DefaultsHelpFormatter
 from .host_memory import HostMemoryError, format_bytes
 from .models import NAMED_MODELS, ModelNotInstalledError
 from .timing import TimingStreamer
+
+
+EVAL_COMMANDS = "dual_cache.commands"  # entry-point group of the evaluation's subcommands (pyproject.toml)
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -56,7 +65,7 @@ def run_question(model, tokenizer, text: str, dual_config: DualDecoderConfig | N
     """
     from transformers import TextStreamer
 
-    from .eval.quality.needle import format_chat
+    from .chat import format_chat
 
     ids = torch.tensor([format_chat(tokenizer, text)], device=model.device)
     check_positions(model, ids.shape[1] + max_new_tokens, "the document length or --max-new-tokens")
@@ -160,7 +169,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .eval.quality.needle import make_needle_prompt
+    from .needle_prompt import make_needle_prompt
     from .models import load_default_model
 
     config = _dual_config(args)
@@ -265,19 +274,13 @@ def build_parser() -> argparse.ArgumentParser:
     dual_options(demo)
     demo.set_defaults(func=cmd_demo)
 
-    from .eval import results_table, tools_cli
-    from .eval.quality import eval_cli
-    from .eval.throughput import bench_cli
     from . import hub_cli
-    from .serving import bench as serving_bench, cli as serving_cli
+    from .serving import cli as serving_cli
 
-    bench_cli.add_parser(sub)  # `bench`
-    eval_cli.add_parser(sub)  # `eval`
-    hub_cli.add_parser(sub)  # `card`, `export-generate`
     serving_cli.add_parser(sub)  # `serve`
-    serving_bench.add_parser(sub)  # `bench-serve`
-    results_table.add_parser(sub)  # `report`
-    tools_cli.add_parsers(sub)  # `bench-retrieval`, `needle`, `recall`, `agentic`, `gpu-check`
+    hub_cli.add_parser(sub)  # `export-generate`
+    for entry in sorted(entry_points(group=EVAL_COMMANDS), key=lambda entry: entry.name):
+        entry.load()(sub)  # `bench`, `bench-serve`, `card`, `eval`, `report`, the tools (dual_cache.eval)
     return parser
 
 
@@ -290,15 +293,21 @@ def _innermost_parser(parser: argparse.ArgumentParser, args: argparse.Namespace)
         parser = actions[0].choices[getattr(args, actions[0].dest)]
 
 
+def _own_arguments_runner(parser: argparse.ArgumentParser, command: str | None):
+    """The function `run_argv(arguments) -> int` of a subcommand that parses its own arguments (registered with
+    `set_defaults(run_argv=...)`: the analysis tools, `dual_cache.eval.tools_cli`); None for any other command."""
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    return commands[command].get_default("run_argv") if command in commands else None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `dual-decoder` console script."""
-    from .eval import tools_cli
-
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        tool = tools_cli.run(sys.argv[1:] if argv is None else argv)
-        if tool is not None:
-            return tool
         parser = build_parser()
+        run_argv = _own_arguments_runner(parser, argv[0] if argv else None)
+        if run_argv is not None:
+            return run_argv(argv[1:])
         args, extra = parser.parse_known_args(argv)
         if extra:  # the error names the (sub)command whose --help lists the valid options
             _innermost_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")

@@ -114,7 +114,7 @@ class DualDecoderConfig:
         prefill_progress: show a tqdm progress bar over prefill chunks.
         host_chunk_tokens: the largest growth step of a host store (tokens): its first chunk holds the prompt,
             later chunks add half the capacity, at least 16 and at most this many tokens (appending never copies
-            what is stored; `host_store.next_chunk_tokens`).
+            what is stored; `host_growth.next_chunk_tokens`).
         max_host_bytes: host bytes the cache may allocate (all layers); None = 90% of the memory available when
             the cache is sized. A request that cannot fit raises `HostMemoryError` before anything is allocated.
         record_timeline: keep a per-(step, layer) timeline of retrieval, copy and attention (`cache.timeline()`).

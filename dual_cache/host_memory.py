@@ -1,9 +1,27 @@
-"""The host-memory allowance of one cache: a limit checked before anything is allocated, and what is claimed."""
+"""Host memory: the allowance of one cache (a limit checked before anything is allocated, and what is claimed) and
+the process-wide count of live host bytes (`live_host_bytes()`), which lets tests and users check that nothing leaks."""
 
 from __future__ import annotations
 
 import os
 import threading
+
+
+_live_lock = threading.Lock()
+_live_bytes = 0  # bytes of live host stores and selector state, process-wide (`live_host_bytes`)
+
+
+def live_host_bytes() -> int:
+    """Bytes currently allocated by all `HostKVStore`s of this process (keys + values, registered or not) and by
+    selectors' host state (`host_pages.host_tensor`)."""
+    return _live_bytes
+
+
+def account_host_bytes(delta: int) -> None:
+    """Add `delta` bytes (negative: freed) to `live_host_bytes()`; thread-safe."""
+    global _live_bytes
+    with _live_lock:
+        _live_bytes += delta
 
 
 class HostMemoryError(MemoryError):

@@ -1,21 +1,15 @@
 """Host-memory KV storage of one layer: every key and value of every sequence, in chunks of tokens.
 
 Appending never moves what is stored: the store grows by whole chunks. The first chunk is sized to the request
-(`reserve`, e.g. the prompt length), later ones geometrically (half the capacity, between `MIN_GROWTH` and
-`chunk_tokens` tokens), so a short request holds about what it stores and a long one stays in few chunks (each
-chunk is one `index_select` in a gather). On CUDA machines
-each chunk is ordinary (pageable) memory registered with the driver (`cudaHostRegister`), so host→device copies
-from it can be asynchronous without the power-of-two rounding of torch's pinned-memory caching allocator (a
-`(3, 8, 4096, 128)` bf16 chunk is 24 MiB; the caching allocator would reserve 32 MiB for it).
-
-Process-wide accounting of live host bytes (`live_host_bytes()`) lets tests and users check that nothing leaks.
+(`reserve`, e.g. the prompt length), later ones geometrically (half the capacity, between `host_growth.MIN_GROWTH`
+and `chunk_tokens` tokens), so a short request holds about what it stores and a long one stays in few chunks (each
+chunk is one `index_select` in a gather). How a chunk's pages are allocated, page-locked for the device and
+released is `host_pages.py`'s job; every chunk counts in `host_memory.live_host_bytes()` while it lives.
 """
 
 from __future__ import annotations
 
 import bisect
-import ctypes
-import sys
 import threading
 import weakref
 from collections import deque
@@ -23,112 +17,9 @@ from typing import Callable, Sequence
 
 import torch
 
-_live_lock = threading.Lock()
-_live_bytes = 0
-MIN_GROWTH = 16  # tokens: the smallest chunk added when the store grows (unless `chunk_tokens` is smaller)
-
-
-def next_chunk_tokens(capacity: int, chunk_tokens: int) -> int:
-    """Tokens of the chunk a store holding `capacity` tokens adds when it grows (with `chunk_tokens` the cap)."""
-    return min(chunk_tokens, max(MIN_GROWTH, capacity // 2))
-
-
-def planned_capacity(reserved: int, tokens: int, chunk_tokens: int) -> int:
-    """Capacity (tokens) a store reaches when it reserves `reserved` tokens, then stores `tokens` tokens one
-    decode step at a time (`HostKVStore.reserve`, then growth by `next_chunk_tokens`)."""
-    capacity = reserved
-    while capacity < tokens:
-        capacity += next_chunk_tokens(capacity, chunk_tokens)
-    return capacity
-
-
-def live_host_bytes() -> int:
-    """Bytes currently allocated by all `HostKVStore`s of this process (keys + values, registered or not) and by
-    selectors' host state (`host_tensor`)."""
-    return _live_bytes
-
-
-HUGE_PAGE = 2 << 20  # bytes of an x86-64 / arm64 transparent huge page
-_madvise = None
-
-
-def advise_huge_pages(tensor: torch.Tensor) -> None:
-    """Ask Linux to back a large, not yet touched host tensor with transparent huge pages (`madvise(MADV_HUGEPAGE)`
-    over its 2 MiB-aligned interior). Host selection reads rows scattered over tens of MiB per step; with 4 KiB
-    pages nearly every row costs a TLB miss. A no-op elsewhere, below 4 MiB, or if the call fails."""
-    global _madvise
-    nbytes = tensor.untyped_storage().nbytes()
-    if nbytes < 2 * HUGE_PAGE or not sys.platform.startswith("linux"):
-        return
-    if _madvise is None:
-        try:
-            _madvise = ctypes.CDLL(None, use_errno=True).madvise
-            _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        except (OSError, AttributeError):
-            _madvise = False
-    if _madvise:
-        start = -(-tensor.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-        end = (tensor.data_ptr() + nbytes) // HUGE_PAGE * HUGE_PAGE
-        if end > start:
-            _madvise(start, end - start, 14)  # MADV_HUGEPAGE
-
-
-def host_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """A zero-filled host tensor whose bytes count in `live_host_bytes()` until it is garbage collected (selector
-    indexes and key copies); large ones on transparent huge pages (`advise_huge_pages`)."""
-    tensor = torch.empty(tuple(shape), dtype=dtype)
-    advise_huge_pages(tensor)
-    tensor.zero_()
-    nbytes = tensor.untyped_storage().nbytes()
-    _account(nbytes)
-    weakref.finalize(tensor, _account, -nbytes)
-    return tensor
-
-
-def _account(delta: int) -> None:
-    global _live_bytes
-    with _live_lock:
-        _live_bytes += delta
-
-
-def _register(tensor: torch.Tensor) -> None:
-    """Page-lock `tensor`'s memory in place so CUDA copies from it run asynchronously."""
-    result = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.untyped_storage().nbytes(), 0)
-    if int(result) != 0:
-        raise RuntimeError(f"cudaHostRegister failed with CUDA error {int(result)}.")
-
-
-def copy_block(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """`dst.copy_(src, non_blocking=True)` for one contiguous block of a store's traffic with the device (the
-    positions of one sequence and KV head in one chunk).
-
-    Between a page-locked host block and the device the copy is asynchronous on the current stream. PyTorch copies a
-    strided tensor between host and device through a contiguous temporary in pageable memory and waits for it (an
-    extra host copy, at pageable speed, with the launch thread stalled; docs/design.md §6), so both sides must be
-    contiguous: a `(B, H_kv, n, D)` range of a `(B, H_kv, tokens, D)` chunk is not, its `(n, D)` block per
-    (sequence, KV head) is.
-
-    Raises:
-        RuntimeError: when `dst` or `src` is not contiguous (a caller that would make the copy synchronous).
-    """
-    if not (dst.is_contiguous() and src.is_contiguous()):
-        raise RuntimeError(
-            f"copy_block needs contiguous blocks, got strides {tuple(dst.stride())} <- {tuple(src.stride())}: a "
-            "strided copy between host and device stages through pageable memory and waits."
-        )
-    dst.copy_(src, non_blocking=True)
-
-
-def _release(chunks: list[tuple[torch.Tensor, torch.Tensor]], registered: bool) -> None:
-    """Unregister (if registered) and drop every chunk; runs once, from `free()` or when the store is collected."""
-    freed = 0
-    for keys, values in chunks:
-        for tensor in (keys, values):
-            if registered:
-                torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
-            freed += tensor.untyped_storage().nbytes()
-    chunks.clear()
-    _account(-freed)
+from .host_memory import account_host_bytes, live_host_bytes  # noqa: F401  (public path, docs/usage.md)
+from .host_growth import next_chunk_tokens
+from .host_pages import allocate_chunk, copy_block, release_chunks
 
 
 class HostKVStore:
@@ -139,7 +30,7 @@ class HostKVStore:
         kv_heads: key/value heads H_kv.
         head_dim: D.
         dtype: storage dtype (the model's K/V dtype).
-        chunk_tokens: the largest growth step (tokens); see `next_chunk_tokens`.
+        chunk_tokens: the largest growth step (tokens); see `host_growth.next_chunk_tokens`.
         page_lock: register chunks with CUDA (only when CUDA is available).
         on_alloc: called with the byte size of each chunk (keys + values) before it is allocated; may raise to
             refuse it (the cache's host-memory limit).
@@ -148,16 +39,8 @@ class HostKVStore:
         ValueError: if a size argument is not positive.
     """
 
-    def __init__(
-        self,
-        batch_size: int,
-        kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        chunk_tokens: int,
-        page_lock: bool = False,
-        on_alloc: Callable[[int], None] | None = None,
-    ) -> None:
+    def __init__(self, batch_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, chunk_tokens: int,
+                 page_lock: bool = False, on_alloc: Callable[[int], None] | None = None) -> None:
         if min(batch_size, kv_heads, head_dim, chunk_tokens) <= 0:
             raise ValueError(
                 f"HostKVStore needs positive sizes, got batch_size={batch_size}, kv_heads={kv_heads}, "
@@ -180,7 +63,7 @@ class HostKVStore:
         self.shared_length = 0  # positions [0, shared_length) are one sequence's, shared by every row (`share`)
         self.bytes_to_host = 0  # bytes `append` copied in (keys + values)
         self.bytes_to_device = 0  # bytes `read_into` copied out
-        self._finalizer = weakref.finalize(self, _release, self._chunks, self.page_lock)
+        self._finalizer = weakref.finalize(self, release_chunks, self._chunks, self.page_lock)
 
     def __getstate__(self) -> dict:  # copies (a closed cache's deepcopy) get a lock of their own
         state = dict(self.__dict__)
@@ -230,6 +113,13 @@ class HostKVStore:
         if tokens > self.capacity:
             self._grow(tokens - self.capacity)
 
+    def _make_room(self, q: int) -> None:
+        """Grow (by `next_chunk_tokens` at least) when `q` more tokens do not fit."""
+        if self.length + q > self.capacity:
+            short = self.length + q - self.capacity
+            own = self.capacity - self.shared_length  # a shared prefix is not grown per sequence
+            self._grow(max(short, next_chunk_tokens(own, self.chunk_tokens)))
+
     def _grow(self, tokens: int) -> None:
         """Add a chunk of `tokens` tokens."""
         if self._finalizer.alive is False:
@@ -238,21 +128,8 @@ class HostKVStore:
         nbytes = self.chunk_nbytes(*self.shape_prefix, self.head_dim, self.dtype, tokens)
         if self.on_alloc is not None:
             self.on_alloc(nbytes)
-        keys = torch.empty(shape, dtype=self.dtype)
-        values = torch.empty(shape, dtype=self.dtype)
-        advise_huge_pages(keys)
-        advise_huge_pages(values)
-        registered = []
-        try:
-            if self.page_lock:
-                for tensor in (keys, values):
-                    _register(tensor)
-                    registered.append(tensor)
-        except BaseException:
-            for tensor in registered:
-                torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
-            raise
-        _account(nbytes)
+        keys, values = allocate_chunk(shape, self.dtype, self.page_lock)
+        account_host_bytes(nbytes)
         self._chunks.append((keys, values))
         self._starts.append(self.capacity)
         self.capacity += tokens
@@ -265,10 +142,7 @@ class HostKVStore:
         first); host readers wait for them with `wait_written`, device readers (`read_into`) are ordered after them
         by the stream."""
         q = keys.shape[2]
-        if self.length + q > self.capacity:
-            short = self.length + q - self.capacity
-            own = self.capacity - self.shared_length  # a shared prefix is not grown per sequence
-            self._grow(max(short, next_chunk_tokens(own, self.chunk_tokens)))
+        self._make_room(q)
         self._copy_in(keys.contiguous(), values.contiguous(), self.length)
         if keys.device.type == "cuda":  # device→host copies are asynchronous; readers wait on this event
             self._written = torch.cuda.Event()
@@ -284,10 +158,7 @@ class HostKVStore:
         `wait_written` first. With `streams` that copy at once (`HostStreams`, a CPU device) the tokens are written
         directly."""
         q = keys.shape[2]
-        if self.length + q > self.capacity:
-            short = self.length + q - self.capacity
-            own = self.capacity - self.shared_length
-            self._grow(max(short, next_chunk_tokens(own, self.chunk_tokens)))
+        self._make_room(q)
         if not streams.asynchronous:  # the "device" is host memory: one strided host copy
             self._write(keys, values, self.length)
             self.length += q

@@ -18,7 +18,8 @@ from .kernels import KVSegment
 from .repair import StepRows, rows_to_repair
 from .rerank import rerank_valid
 from .schedule import TransferSchedule
-from .selectors import SELECTORS, Candidates, Selector
+from .selection import Candidates, compact_positions
+from .selectors import SELECTORS, Selector
 from .sequences import SequenceState
 
 
@@ -128,12 +129,15 @@ class DualLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def check_crop(self, tokens_to_remove: int) -> None:
+        """Raise `ValueError` for a crop this layer refuses (`SequenceState.check_crop`: a positive count; between
+        requests, one into the sink or leading pads); nothing is changed."""
+        self.sequences.check_crop(tokens_to_remove, self.get_seq_length(), self.schedule is None)
+
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last `-tokens_to_remove` tokens (negative counts only, as transformers ≥5.22)."""
-        if tokens_to_remove > 0:
-            raise ValueError(
-                f"crop({tokens_to_remove}): pass a negative count of tokens to remove, e.g. crop(-1)."
-            )
+        """Remove the last `-tokens_to_remove` tokens (negative counts only, as transformers ≥5.22), after
+        `check_crop`."""
+        self.check_crop(tokens_to_remove)
         if tokens_to_remove == 0 or self.host is None:
             return
         unstored = min(-tokens_to_remove, self.unstored)  # the step's speculated token: never stored
@@ -215,14 +219,10 @@ class DualLayer(CacheLayerMixin):
         """Keys/values of every position so far, `(B, H_kv, n, D)` on the compute device, for dense prefill.
 
         The chunk's own `key_states`/`value_states` `(B, H_kv, q, D)` are used as they are; earlier positions are
-        read back from the host store (`HostKVStore.read_into`: contiguous blocks, asynchronous on CUDA).
-
-        What a chunked prefill moves: each prompt token goes to the host once (`HostKVStore.append`), linear in
-        the prompt; the earlier chunks come back to the device at every later chunk, `C · n(n-1)/2` tokens per
-        layer for n chunks of C tokens, quadratic in the prompt for a fixed chunk size. That re-read is the price
-        of holding one layer's K/V on the device at a time: transformers runs every layer for a chunk before the
-        next chunk starts, so keeping a layer's earlier K/V for its next chunk would keep every layer's — the
-        dense cache. Larger chunks re-read less (n − 1 times the prompt's K/V over n chunks, halved).
+        read back from the host store (`HostKVStore.read_into`: contiguous blocks, asynchronous on CUDA). Each
+        prompt token goes to the host once (linear in the prompt); the earlier chunks come back at every later chunk,
+        `C · n(n-1)/2` tokens per layer for n chunks of C tokens: the price of holding one layer's K/V on the device
+        at a time (docs/design.md, "Prefill traffic").
         """
         q = key_states.shape[2]
         past = self.host.length - q
@@ -315,9 +315,8 @@ class DualLayer(CacheLayerMixin):
 
         A sequence repaired for a miss is re-selected by the layer's selector; one repaired because its query
         drifted (`repair_drift`) by exact selection over every candidate key (`Selector.select_exact`), whatever
-        the selector: drift repairs are rare (about 1% of hit (step, layer) pairs on the needle prompts) and are
-        the steps where an approximate index's misses cost an answer (docs/host-selection-engine.md). The layer
-        waits for the host (`TransferSchedule.repair`).
+        the selector: drift repairs are rare and are the steps where an approximate index's misses cost an answer
+        (docs/host-selection-engine.md). The layer waits for the host (`TransferSchedule.repair`).
 
         Args:
             query: `(B, H_q, D)` the real token's query at this layer (slot 0 of the step).
@@ -378,29 +377,7 @@ class DualLayer(CacheLayerMixin):
         if self.selector is not None:
             self.schedule.release(self.layer_idx)
 
-    # --- accounting and lifecycle ----------------------------------------------------------------------
-    @property
-    def device_bytes(self) -> int:
-        """Bytes of this layer's device tiers: sink, window ring, what the selector keeps there (the Quest
-        baseline's page metadata); selection slots are pooled and counted by the schedule."""
-        tensors = (self.sink_keys, self.sink_values, self.ring_keys, self.ring_values)
-        selector = 0 if self.selector is None else self.selector.device_bytes
-        return sum(t.nbytes for t in tensors if t is not None) + selector
-
-    @property
-    def host_bytes(self) -> int:
-        """Host bytes of this layer's store and of its selector's host state (an index, a key copy)."""
-        if self.host is None:
-            return 0
-        return self.host.nbytes + (0 if self.selector is None else self.selector.host_bytes)
-
-    def dense_bytes(self) -> int:
-        """Bytes a `DynamicCache` layer would hold for the same tokens."""
-        if self.host is None:
-            return 0
-        batch, kv_heads = self.host.shape_prefix
-        return 2 * batch * kv_heads * self.host.length * self.host.head_dim * self.host.element_size
-
+    # --- lifecycle (its bytes: `cache_stats.layer_device_bytes`, `layer_host_bytes`) -----------------------
     def free(self) -> None:
         """Release host chunks, the selector's state and device tiers (the token count stays readable)."""
         self.end_request()
@@ -409,11 +386,3 @@ class DualLayer(CacheLayerMixin):
             self.host.free()
         if self.selector is not None:
             self.selector.free()
-
-
-def compact_positions(positions: torch.Tensor, width: int) -> torch.Tensor:
-    """`(B, H_kv, width)`: the largest `width` entries of `positions` `(B, H_kv, n)` (positions, -1 where none), i.e.
-    every position when at most `width` are set, padded with -1."""
-    if positions.shape[2] >= width:
-        return torch.topk(positions, width, dim=-1).values
-    return torch.nn.functional.pad(positions, (0, width - positions.shape[2]), value=-1)

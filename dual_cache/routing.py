@@ -23,7 +23,7 @@ SUPPORTED_IMPLEMENTATIONS = ("sdpa", "eager")  # whose masks the dual prefill re
 
 
 class AttentionProbe:
-    """Passed as `dual_cache` in a probe forward (`compat.check_model_serves_dual`): records which layers' attention
+    """Passed as `dual_cache` in a probe forward (`checks.check_model_serves_dual`): records which layers' attention
     functions receive it, and runs the model's own attention.
 
     Attributes:

@@ -20,59 +20,12 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
+from .selection import Selection, selection_fields
 from .streams import elapsed_ms, make_streams
-
-
-@dataclass
-class Selection:
-    """Entries chosen for one (step, layer).
-
-    Attributes:
-        indices: `(B, H_kv, k)` int64 positions, ascending.
-        valid: `(B, H_kv, k)` bool; False for padding slots.
-        keys, values: `(B, H_kv, k, D)` gathered K/V (host staging before the copy, device after).
-    """
-
-    indices: torch.Tensor
-    valid: torch.Tensor
-    keys: torch.Tensor
-    values: torch.Tensor
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the payload that crosses host→device (K, V, indices and validity)."""
-        return sum(t.nbytes for t in (self.indices, self.valid, self.keys, self.values))
-
-    @classmethod
-    def empty(cls, batch: int, kv_heads: int, tokens: int, dim: int, dtype: torch.dtype, device, pin: bool = False):
-        """Uninitialised buffers of `tokens` entries per (sequence, KV head)."""
-        return cls(
-            torch.empty(batch, kv_heads, tokens, dtype=torch.long, device=device, pin_memory=pin),
-            torch.empty(batch, kv_heads, tokens, dtype=torch.bool, device=device, pin_memory=pin),
-            torch.empty(batch, kv_heads, tokens, dim, dtype=dtype, device=device, pin_memory=pin),
-            torch.empty(batch, kv_heads, tokens, dim, dtype=dtype, device=device, pin_memory=pin),
-        )
-
-    def narrow(self, slots: int) -> "Selection":
-        """Views of the first `slots` entries of each (sequence, KV head)."""
-        return Selection(self.indices[..., :slots], self.valid[..., :slots], self.keys[..., :slots, :],
-                         self.values[..., :slots, :])
-
-    def tail(self, start: int) -> "Selection":
-        """Views of the entries from slot `start` on."""
-        return Selection(self.indices[..., start:], self.valid[..., start:], self.keys[..., start:, :],
-                         self.values[..., start:, :])
-
-    def copy_from(self, other: "Selection", non_blocking: bool = False) -> None:
-        """Copy `other`'s four tensors into these (same shapes)."""
-        for dst, src in zip((self.indices, self.valid, self.keys, self.values),
-                            (other.indices, other.valid, other.keys, other.values)):
-            dst.copy_(src, non_blocking=non_blocking)
 
 
 _Record = dict  # timeline entry of one (step, layer): seconds since the schedule started, bytes, slot
@@ -272,14 +225,14 @@ class TransferSchedule:
         copy_start = time.perf_counter()
         # on the compute stream: after the prefetched copy (the stream waited for it at `acquire`), before attention
         if len(rows) == view.keys.shape[0]:
-            for dst, src in zip(_fields(view), _fields(staging)):
+            for dst, src in zip(selection_fields(view), selection_fields(staging)):
                 dst.copy_(src, non_blocking=self._pin)
             copied = staging.nbytes
         else:
             row_ids = torch.tensor(rows, dtype=torch.long)
             device_rows = row_ids.to(self.device, non_blocking=self._pin)
             copied = 0
-            for dst, src in zip(_fields(view), _fields(staging)):
+            for dst, src in zip(selection_fields(view), selection_fields(staging)):
                 picked = src.index_select(0, row_ids)
                 dst.index_copy_(0, device_rows, picked.to(self.device, non_blocking=self._pin))
                 copied += picked.nbytes
@@ -337,7 +290,7 @@ class TransferSchedule:
         free = self._slot_free.get(slot_key)
         if free is not None:
             self.streams.wait(free, "copy")  # the slot's previous attention has read it
-        for dst, src in zip(_fields(slot), _fields(staging)):
+        for dst, src in zip(selection_fields(slot), selection_fields(staging)):
             self.streams.copy(dst, src)
         ready = self.streams.record("copy")
         self._staging_free[layer_idx] = ready
@@ -438,18 +391,3 @@ class TransferSchedule:
                 self._repair_buffers = []
                 self._repair_free = None
                 self._slot_free.clear()
-
-
-def overlap_ratio(counters: dict) -> float:
-    """The pipeline's overlap from schedule counters (`TransferSchedule` attributes, or their sums over requests):
-    with a device clock `1 − (device_wait_seconds + device_starved_seconds) / device_step_seconds`, else
-    `1 − wait_seconds / (retrieval_seconds + copy_seconds)`; clamped at 0, nan before any decode step."""
-    if counters["device_step_seconds"] > 0:
-        idle = counters["device_wait_seconds"] + counters["device_starved_seconds"]
-        return max(0.0, 1.0 - idle / counters["device_step_seconds"])
-    busy = counters["retrieval_seconds"] + counters["copy_seconds"]
-    return float("nan") if busy == 0 else max(0.0, 1.0 - counters["wait_seconds"] / busy)
-
-
-def _fields(selection: Selection) -> tuple[torch.Tensor, ...]:
-    return selection.indices, selection.valid, selection.keys, selection.values

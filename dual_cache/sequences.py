@@ -55,6 +55,21 @@ class SequenceState:
         flat = positions.clamp(max=self.valid.shape[1] - 1).reshape(batch, -1)
         return torch.where(known, torch.gather(self.valid, 1, flat).view(positions.shape), True)
 
+    def check_crop(self, tokens_to_remove: int, stored: int, between_requests: bool) -> None:
+        """Raise `ValueError` for a crop (transformers' `Cache.crop` count) that no layer of the cache may make: a
+        positive count; between requests, one that would leave `stored + tokens_to_remove` tokens, removing a
+        sequence's sink tokens or leading pads (fixed by the first request). `stored`: the cropping layer's tokens."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative count of tokens to remove, e.g. crop(-1).")
+        if tokens_to_remove < 0 and between_requests and stored:
+            remaining = stored + tokens_to_remove
+            fixed = -1 if self.sink_last is None else int(self.sink_last.max())
+            if remaining <= fixed:
+                raise ValueError(
+                    f"crop({tokens_to_remove}) would leave {remaining} tokens, but positions up to {fixed} hold sink "
+                    "tokens or leading pads fixed by the first request; crop fewer tokens or use a fresh cache."
+                )
+
     def first_real_so_far(self, batch: int, length: int, start: int = 0) -> torch.Tensor:
         """`(B,)` int64 first real position among positions `[start, length)` (`length` where there is none)."""
         if self.valid is None:

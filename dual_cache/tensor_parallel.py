@@ -89,6 +89,11 @@ def model_heads(config: Any) -> tuple[int, int]:
     return q_heads, getattr(text, "num_key_value_heads", None) or q_heads
 
 
+def head_dim_of(text_config: Any) -> int:
+    """A model's attention head dim (`head_dim`, else `hidden_size / num_attention_heads`) from its text config."""
+    return getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+
+
 def whole_model(config: Any) -> TensorShard:
     """The shard of a model that is not split: every KV head on the one process."""
     _, kv_heads = model_heads(config)
@@ -180,6 +185,25 @@ def shard_of_model_or_config(model_or_config: Any) -> TensorShard:
     if isinstance(model_or_config, torch.nn.Module) and hasattr(model_or_config, "config"):
         return shard_of(model_or_config)
     return whole_model(model_or_config)
+
+
+def adopt_shard(current: TensorShard, shard: TensorShard, stored: int, host_memory: Any) -> TensorShard:
+    """The shard a cache holds after adopting `shard` (a tensor-parallel rank's, `shard_of`) in place of `current`,
+    having stored `stored` tokens; sets `host_memory.ranks_per_host` (a `host_memory.HostMemory`, the cache's
+    allowance) to the new shard's, so host-memory checks become this rank's.
+
+    Raises:
+        ValueError: when the cache already stores tokens of another number of KV heads.
+    """
+    if shard == current:
+        return current
+    if stored and shard.kv_heads != current.kv_heads:
+        raise ValueError(
+            f"This DualDecoderCache stores {current.kv_heads} KV heads per layer ({current.describe()}); the model "
+            f"here is {shard.describe()}. Continue a cache on the rank (and tensor-parallel plan) that filled it."
+        )
+    host_memory.ranks_per_host = shard.ranks_per_host
+    return shard
 
 
 def load_kwargs(tp_size: int) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 
@@ -16,18 +17,17 @@ TOOLS = {  # subcommand: (module in dual_cache.eval, help)
 
 
 def add_parsers(sub) -> None:
-    """List the tools in `dual-decoder --help` (their arguments are parsed by the tools themselves, see `run`)."""
+    """List the tools in `dual-decoder --help`; each parses its own arguments (`run_tool`, called by
+    `dual_cache.cli.main` for a subcommand registered with `run_argv`)."""
     for name, (_, text) in TOOLS.items():
-        sub.add_parser(name, help=text, add_help=False)
+        sub.add_parser(name, help=text, add_help=False).set_defaults(run_argv=functools.partial(run_tool, name))
 
 
-def run(argv: list[str]) -> int | None:
-    """Run `argv[0]`'s tool on `argv[1:]` if it names one; None otherwise."""
-    if not argv or argv[0] not in TOOLS:
-        return None
-    module = importlib.import_module(f"dual_cache.eval.{TOOLS[argv[0]][0]}")
-    program, sys.argv[0] = sys.argv[0], f"dual-decoder {argv[0]}"
+def run_tool(name: str, argv: list[str]) -> int:
+    """Run the tool `name` (a key of `TOOLS`) on `argv`, as `dual-decoder <name>`."""
+    module = importlib.import_module(f"dual_cache.eval.{TOOLS[name][0]}")
+    program, sys.argv[0] = sys.argv[0], f"dual-decoder {name}"
     try:
-        return module.main(argv[1:])
+        return module.main(argv)
     finally:
         sys.argv[0] = program

@@ -25,7 +25,7 @@ def test_demo_tokens_beyond_the_model_positions_is_refused_before_the_prompt_is_
         raise AssertionError("no prompt may be built for a request past the model's positions")
 
     monkeypatch.setattr(models, "load_default_model", lambda: (model, None))
-    monkeypatch.setattr("dual_cache.eval.quality.needle.make_needle_prompt", build_prompt)
+    monkeypatch.setattr("dual_cache.needle_prompt.make_needle_prompt", build_prompt)
     assert cli.main(["demo", "--tokens", "10000000"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "exceed the model's 2048 positions" in err and "--tokens" in err

@@ -26,7 +26,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.streamers import BaseStreamer
 
 from dual_cache import DualDecoderCache
-from dual_cache.host_store import live_host_bytes
+from dual_cache.host_memory import live_host_bytes
 from dual_cache.refusals import REFUSED
 from tests.conftest import tiny_gemma3, tiny_llama, tiny_qwen2_mqa
 

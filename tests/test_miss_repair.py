@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from dual_cache import DualDecoderCache, DualDecoderConfig
-from dual_cache.schedule import Selection, TransferSchedule
+from dual_cache.schedule import TransferSchedule
+from dual_cache.selection import Selection
 from tests.conftest import record_selections, six_layer_llama
 
 NEVER = 95  # a token id the tests forbid the model to emit; the speculator always proposes it

@@ -11,7 +11,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from dual_cache import DualDecoderCache, DualDecoderConfig
-from dual_cache.host_store import live_host_bytes
+from dual_cache.host_memory import live_host_bytes
 from tests.conftest import tiny_llama
 
 FULL = {"budget": 4096, "n_sink": 4, "window": 16}

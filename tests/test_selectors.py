@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from dual_cache import DualDecoderCache, DualDecoderConfig
-from dual_cache.host_store import HostKVStore, live_host_bytes
-from dual_cache.selectors import SELECTORS, Candidates, Selector
+from dual_cache.host_memory import live_host_bytes
+from dual_cache.host_store import HostKVStore
+from dual_cache.selection import Candidates
+from dual_cache.selectors import SELECTORS, Selector
 from tests.conftest import record_selections, six_layer_llama
 
 
@@ -47,7 +49,7 @@ def _selector(name: str, store: HostKVStore, budget: int = 8) -> Selector:
 def test_a_job_selects_its_exact_rows_as_the_exact_selector_and_the_others_by_its_own_index(seed):
     """Drift repairs (`Selector.job(exact=...)`): those rows get exact selection's entries and K/V, the others the
     index's, alone or mixed in one job."""
-    from dual_cache.schedule import Selection
+    from dual_cache.selection import Selection
 
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(3, 2, 300, 8, generator=g)

@@ -11,7 +11,7 @@ import torch
 
 from dual_cache.cli import main
 from dual_cache.eval.throughput.launch_thread import StepProbe
-from dual_cache.serving.bench import workload
+from dual_cache.eval.throughput.bench_serve import workload
 
 
 def test_bench_serve_small_run_writes_rows(tmp_path, capsys):

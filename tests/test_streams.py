@@ -175,7 +175,8 @@ def test_a_slow_host_selection_shows_as_device_idle_time(monkeypatch, threads):
 def test_reading_the_device_clock_never_replaces_the_error_that_ended_a_request():
     """A request that fails mid-step leaves timing events the compute stream never reached; CUDA's `elapsed_time`
     raises on them ("Both events must be completed"). Closing reads only the pairs that completed."""
-    from dual_cache.schedule import TransferSchedule, overlap_ratio
+    from dual_cache.cache_stats import overlap_ratio
+    from dual_cache.schedule import TransferSchedule
 
     class Event:  # a CUDA timing event's contract: elapsed_time raises unless both ends completed
         def __init__(self, done: bool, at: float):

@@ -21,9 +21,7 @@ import torch
 
 from ..sync_points import uncounted
 from . import native, profiling, reference
-from .codes import GROUP, padded_dim
-
-KEY_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+from .codes import GROUP, KEY_TYPES, padded_dim
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 GROUP = 64  # tokens per quantization group
+KEY_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # key dtype → the engine's code for it
 
 
 def padded_dim(head_dim: int) -> int:
@@ -76,7 +77,7 @@ def quantize_fast(keys: torch.Tensor, threads: int | None = None) -> tuple[torch
     Args:
         keys: `(N, GROUP, D)` float32 / bfloat16 / float16 host keys; threads: default `torch.get_num_threads()`.
     """
-    from . import KEY_TYPES, native
+    from . import native
 
     library = native.library()
     if library is None or keys.dtype not in KEY_TYPES or keys.shape[1] != GROUP:

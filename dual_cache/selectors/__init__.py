@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from .base import Candidates, HostClaim, Selector
+from .base import HostClaim, Selector
 
 
 def _discover() -> dict[str, type[Selector]]:
@@ -30,4 +30,4 @@ def _discover() -> dict[str, type[Selector]]:
 
 SELECTORS: dict[str, type[Selector]] = _discover()
 
-__all__ = ["SELECTORS", "Candidates", "HostClaim", "Selector"]
+__all__ = ["SELECTORS", "HostClaim", "Selector"]

@@ -1,4 +1,5 @@
-"""The interface every selector implements, and what a selection is asked for (`Candidates`).
+"""The interface every selector implements (what it is asked for and what it fills, `Candidates` and `Selection`,
+live in `selection.py`, shared with the transfer schedule).
 
 A selector decides which `budget` middle entries per (sequence, KV head) one full-attention layer's decode step
 attends to (docs/design.md §2, step 3). It owns whatever it keeps besides the layer's host store — a host-side index,
@@ -8,52 +9,17 @@ page metadata on the device — builds it during prefill, extends it as tokens a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
 from .. import engine
 from ..host_store import HostKVStore
+from ..selection import Candidates, Selection
 from ..sync_points import count_host_wait, uncounted
-from ..schedule import Selection
 
 HostClaim = Callable[[int], None]  # called with a byte count before host memory is allocated; may raise
 OWN_TOP = -2  # a row of attended positions marked so: its query's own top entries stand for them (`Selector.job`)
-
-
-@dataclass(frozen=True)
-class Candidates:
-    """The positions a selection may choose, for `b` sequences of a layer's host store.
-
-    Attributes:
-        mask: `(b, end)` bool host tensor, True at real (non-pad), non-sink positions below `end` (the start of the
-            local window).
-        first_real: `(b,)` int64 host tensor, each sequence's first real (non-pad) position; selectors that group
-            positions (the 2-bit index's groups) start their groups there, so left padding never changes
-            what a sequence selects.
-        sequences: the store's sequences these rows are, in order (a repair of some sequences of the batch); None:
-            the store's first `b` sequences.
-    """
-
-    mask: torch.Tensor
-    first_real: torch.Tensor
-    sequences: tuple[int, ...] | None = None
-
-    @property
-    def end(self) -> int:
-        """End of the selectable range: positions `[0, end)` (tokens)."""
-        return self.mask.shape[1]
-
-    @property
-    def ids(self) -> list[int]:
-        """The store's sequences these candidates describe, in order."""
-        return list(range(self.mask.shape[0])) if self.sequences is None else list(self.sequences)
-
-    def subset(self, rows: list[int]) -> "Candidates":
-        """The candidates of these rows (indices into this object's rows) alone."""
-        ids = self.ids
-        return Candidates(self.mask[rows], self.first_real[rows], tuple(ids[r] for r in rows))
 
 
 class Selector:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Candidates, Selector
+from ..selection import Candidates
+from .base import Selector
 
 
 class ExactSelector(Selector):

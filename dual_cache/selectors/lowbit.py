@@ -29,8 +29,9 @@ import torch
 
 from .. import engine
 from ..engine.codes import GROUP, padded_dim, quantize_fast
-from ..host_store import host_tensor
-from .base import Candidates, Selector
+from ..host_pages import host_tensor
+from ..selection import Candidates
+from .base import Selector
 
 
 class LowBitSelector(Selector):

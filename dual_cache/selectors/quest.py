@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from ..retrieval import page_bounds, select_pages
-from .base import Candidates, Selector, require_block_multiples
+from ..selection import Candidates
+from .base import Selector, require_block_multiples
 
 
 class QuestSelector(Selector):

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from ..cache import DualDecoderCache
-from ..compat import check_model_serves_dual
+from ..checks import check_model_serves_dual
 from ..config import DualDecoderConfig
 from ..regroup import regroup
 from ..step import DualStep, cache_kwarg_name

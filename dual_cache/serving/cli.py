@@ -70,32 +70,11 @@ def serve_arguments(args) -> list[str]:
     return out
 
 
-def run_http(scheduler, tokenizer, model_name: str, host: str, port: int, on_server=None) -> None:
-    """Serve `scheduler` over HTTP with uvicorn until SIGINT / SIGTERM (or `server.should_exit`).
-
-    Args:
-        on_server: called with the `uvicorn.Server` before it starts (to stop it from another thread).
-    """
-    import uvicorn
-
-    from .server import create_app
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:  # SIGINT / SIGTERM: running requests end after their step,
-            scheduler.cancel_all()  # so their connections close and uvicorn's graceful shutdown does not wait
-            super().handle_exit(sig, frame)
-
-    server = Server(uvicorn.Config(create_app(scheduler, tokenizer, model_name), host=host, port=port,
-                                   log_level="info"))
-    if on_server is not None:
-        on_server(server)
-    server.run()
-
-
 def cmd_serve(args) -> int:
     require("serve", "`dual-decoder serve`")
     from ..models import load_model, model_display_name
     from .scheduler import Scheduler
+    from .server import run_http
 
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}.")

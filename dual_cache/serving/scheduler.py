@@ -7,14 +7,15 @@
     scheduler.stop()
 
 One thread (`dual-scheduler`) runs the model. Each turn of its loop it admits queued requests while rows and host
-memory allow, feeds one prefill chunk of the oldest admitted request (on a cache of its own), regroups the running
-batch when rows finished or prefilled requests wait to join (`batch.py`), and runs one decode step of every running
-row. So a new request's prefill interleaves with the decode steps of the running ones, a finished row leaves at
-once, and a prefilled request joins the batch at the next step, whatever its length. Each row samples and stops
-on its own options. A request that names a session continues that session's cache (only its new tokens are
-prefilled); when it ends the session keeps its sequence in host memory (`sessions.py`). With `prefix_block`, prompts
-that start with the same whole blocks of tokens as an earlier one copy its prefilled prefix instead of prefilling
-it again (`prefix.py`).
+memory allow (`admission.py`), then decides the turn (`plan_turn`, `turn_plan.py`) and carries it out (`run_turn`):
+one prefill chunk of the oldest admitted request (on a cache of its own), a regroup of the running batch when rows
+finished or prefilled requests wait to join (`batch.py`), and one decode step of every running row. So a new
+request's prefill interleaves with the decode steps of the running ones, a finished row leaves at once, and a
+prefilled request joins the batch at the next step, whatever its length. Each row samples and stops on its own
+options. A request that names a session continues that session's cache (only its new tokens are prefilled); when it
+ends the session keeps its sequence in host memory (`sessions.py`). With `prefix_block`, prompts that start with
+the same whole blocks of tokens as an earlier one copy its prefilled prefix instead of prefilling it again
+(`prefix.py`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from transformers.utils import logging
 
 from ..cache import DualDecoderCache
 from ..config import DualDecoderConfig
-from ..host_memory import format_bytes
+from . import turn_plan
+from .admission import Admission, check_request
 from .batch import DualBatch
 from .dense_batch import DenseBatch
 from .openmp_pool import release_openmp_pool
@@ -94,6 +96,8 @@ class Scheduler:
         self._probe = None if dense else DualDecoderCache(model.config, dual_config=self.dual_config)  # for estimates
         if self._probe is not None:
             self._probe.check_model(model)  # estimates for the KV heads this rank holds (tensor parallelism)
+        self.admission = Admission(self._probe, model.dtype, max_batch, max_host_bytes, self.sessions, self.prefixes,
+                                   self.dual_config)
         eos = model.generation_config.eos_token_id
         eos_ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
         decode = None if tokenizer is None else (lambda t: tokenizer.decode(t, skip_special_tokens=True))
@@ -103,7 +107,7 @@ class Scheduler:
         self._queue: deque[RequestHandle] = deque()
         self._prefilling: list[Row] = []  # admitted, prefilling in order (the first one feeds a chunk per turn)
         self._ready: list[Row] = []  # prefilled, waiting to join the batch
-        self._estimates: dict[Row, int] = {}  # host bytes planned for each admitted row
+        self._estimates = self.admission.estimates  # host bytes planned for each admitted row (the same dict)
         self._stopping = False
         self._settled = True  # the loop is between turns (the gauges describe what it holds)
         self._gauges = {"device_bytes": 0, "host_bytes": 0, "cached_prefixes": 0, "spec_hits": 0, "spec_steps": 0}
@@ -148,21 +152,8 @@ class Scheduler:
                 the dense server or asking for its prompt's logprobs. RuntimeError: the scheduler was stopped.
         """
         options = options or GenerationOptions()
-        ids = torch.as_tensor(input_ids)
-        if ids.dim() == 2 and ids.shape[0] == 1:
-            ids = ids[0]
-        if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise ValueError(f"input_ids must be a non-empty (P,) or (1, P) integer tensor, got {tuple(ids.shape)} "
-                             f"{ids.dtype}.")
-        if self.max_positions is not None and ids.numel() + options.max_tokens > self.max_positions:
-            raise ValueError(f"The prompt ({ids.numel()} tokens) plus max_tokens ({options.max_tokens}) exceeds the "
-                             f"model's {self.max_positions} positions; shorten the prompt or lower max_tokens.")
-        if session is not None and (self.dense or not isinstance(session, str) or not session):
-            raise ValueError("session must be a non-empty string, and sessions need the dual cache (not --dense).")
-        if session is not None and options.prompt_logprobs is not None:
-            raise ValueError("A session request cannot return its prompt's logprobs (echo): the session's stored "
-                             "tokens are not prefilled again.")
-        handle = RequestHandle(ids.to(torch.long).cpu(), options, session, on_event)
+        ids = check_request(input_ids, options, session, self.max_positions, self.dense)
+        handle = RequestHandle(ids, options, session, on_event)
         self._enqueue(handle)
         return handle
 
@@ -241,7 +232,7 @@ class Scheduler:
         with self._cond:
             self._settled = False
         try:
-            self._work()
+            self.run_turn(self.plan_turn())
         finally:
             caches = [row.cache for row in self._prefilling + self._ready if row.cache is not None]
             gauges = self.batch.memory(caches)
@@ -252,8 +243,14 @@ class Scheduler:
                 self._gauges, self._settled = gauges, True
                 self._cond.notify_all()
 
-    def _work(self) -> None:
-        for row in [r for r in self._prefilling + self._ready if r.handle.cancel_requested]:
+    def plan_turn(self) -> turn_plan.TurnPlan:
+        """This turn's decisions from the scheduler's lists of rows (`turn_plan.plan_turn`); on the loop thread."""
+        return turn_plan.plan_turn(self._prefilling, self._ready, self.batch.rows, self.prefix_block)
+
+    def run_turn(self, plan: turn_plan.TurnPlan) -> None:
+        """Carry out `plan` on the loop thread: the cancelled rows leave, one prefill chunk, the regroup, one decode
+        step. A failed prefill fails its request alone; a failed regroup or decode step fails the batch's."""
+        for row in plan.dropped:
             kept = None
             if row in self._prefilling:  # its prefill stops midway: a session starts over
                 self._prefilling.remove(row)
@@ -261,79 +258,82 @@ class Scheduler:
                 self._ready.remove(row)
                 kept, row.cache = (row.cache, None) if row.session is not None else (None, row.cache)
             self._retire(row, kept)
-        for row in self.batch.rows:
-            if row.handle.cancel_requested:
-                row.handle.finish("cancelled")  # leaves at this turn's regroup
-        if self._prefilling:
-            row = self._prefilling[0]
+        for row in plan.cancelled:
+            row.handle.finish("cancelled")  # leaves at a regroup
+        batch = plan.batch
+        if plan.prefill is not None and self._prefill_chunk(plan.prefill, plan.copy_prefix):
+            batch = turn_plan.plan_batch(self.batch.rows, self._ready, self._prefilling)
+        if batch.regroup and not self._regroup(batch.joining):
+            return
+        if batch.decode and any(not r.done for r in self.batch.rows):
             try:
-                if self.prefix_block and row.cache is None and row.prefilled == 0 and not row.wants_prompt_logits:
-                    # its prefill starts now (a request asking for its prompt's logprobs prefills it all), after
-                    # the requests before it added their prefixes: copy the longest one its prompt starts with
-                    with self._cond:
-                        others = [h.prompt for h in self._queue] + [r.handle.prompt for r in self._prefilling[1:]]
-                    hit = self.prefixes.start(row, others)
-                    with self._cond:
-                        self.counters["prefix_hit_tokens"] += hit
-                status = self.batch.prefill_chunk(row)
-                if status == "prefix":
-                    self.prefixes.add(row.handle.prompt[:row.prefilled], row.cache)
-                elif status == "done":
-                    self._prefilling.pop(0)
-                    self._prefilled(row)
-            except Exception as error:  # noqa: BLE001 - reported to this request's client
-                self._prefilling.pop(0)
-                row.handle.finish("error", f"{type(error).__name__}: {error}")
-                self._retire(row, None)
-        rows = self.batch.rows
-        live = sum(not r.done for r in rows)
-        # prefilled requests join together (one regroup) once no other request is prefilling, or two are ready
-        joining = list(self._ready) if not self._prefilling or not live or len(self._ready) >= 2 else []
-        finished = [r for r in rows if r.done]
-        # a regroup copies the rows' host K/V: rows that finished leave when others join, when they are half the
-        # batch, or at once when a session keeps the sequence (a finished row is fed pad tokens until it leaves)
-        if joining or (finished and (2 * len(finished) >= len(rows) or any(r.session for r in finished))):
-            self._ready = [r for r in self._ready if r not in joining]
-            try:
-                left, failed = self.batch.regroup(joining)
-            except Exception as error:  # noqa: BLE001 - even the rows that regroup alone failed together
-                message = f"{type(error).__name__}: {error}"
-                for row in rows + joining:
-                    row.handle.finish("error", message)
-                    self._retire(row, None)
-                self.batch.close()
-                return
-            self.counters["regroups"] += 1
-            for row, cache in left:
-                self._retire(row, cache)
-            for row, message in failed:  # rows the regroup could not carry: their requests fail alone
-                row.handle.finish("error", message)
-                self._retire(row, None)
-        if any(not r.done for r in self.batch.rows):
-            try:
-                probe = self.step_probe
-                with contextlib.nullcontext() if probe is None else probe.step(self.batch.cache):
+                with contextlib.nullcontext() if self.step_probe is None else self.step_probe.step(self.batch.cache):
                     self.batch.step()
             except Exception as error:  # noqa: BLE001 - the batch is lost: every row of it fails
-                message = f"{type(error).__name__}: {error}"
-                for row in self.batch.rows:
-                    row.handle.finish("error", message)
-                    self._retire(row, None)
-                self.batch.close()
+                self._fail_batch(self.batch.rows, error)
                 return
             self.counters["decode_steps"] += 1
 
-    def _prefilled(self, row: Row) -> None:
-        """A row's prompt is stored and its first token out: it waits to join the batch, or ends here."""
-        handle = row.handle
-        handle.prefilled_tokens = row.prefilled - row.stored
-        with self._cond:
-            self.counters["prefilled_tokens"] += handle.prefilled_tokens
-        if handle.done:  # its first token ended it (max_tokens 1, an end-of-sequence token, a stop string)
-            cache, row.cache = row.cache, None
-            self._retire(row, cache if isinstance(cache, DualDecoderCache) else None)
-        else:
-            self._ready.append(row)
+    def _prefill_chunk(self, row: Row, copy_prefix: bool) -> bool:
+        """Feed the oldest prefilling row one chunk (first copying its cached prefix when `copy_prefix`); True
+        when it left the prefilling list: its prompt is prefilled (it waits to join the batch, or its first token
+        ended it) or its request failed."""
+        try:
+            if copy_prefix:  # after the requests before it added their prefixes
+                with self._cond:
+                    others = [h.prompt for h in self._queue] + [r.handle.prompt for r in self._prefilling[1:]]
+                hit = self.prefixes.start(row, others)
+                with self._cond:
+                    self.counters["prefix_hit_tokens"] += hit
+            status = self.batch.prefill_chunk(row)
+            if status == "prefix":
+                self.prefixes.add(row.handle.prompt[:row.prefilled], row.cache)
+            if status != "done":
+                return False
+            self._prefilling.pop(0)  # its prompt is stored and its first token out
+            row.handle.prefilled_tokens = row.prefilled - row.stored
+            with self._cond:
+                self.counters["prefilled_tokens"] += row.handle.prefilled_tokens
+            if row.handle.done:  # its first token ended it (max_tokens 1, an end-of-sequence token, a stop string)
+                cache, row.cache = row.cache, None
+                self._retire(row, cache if isinstance(cache, DualDecoderCache) else None)
+            else:  # it waits to join the batch
+                self._ready.append(row)
+        except Exception as error:  # noqa: BLE001 - reported to this request's client
+            self._prefilling.pop(0)
+            row.handle.finish("error", f"{type(error).__name__}: {error}")
+            self._retire(row, None)
+        return True
+
+    def _regroup(self, joining: tuple[Row, ...]) -> bool:
+        """Rebuild the batch: finished rows leave, `joining` rows join (`batch.regroup`); False when the batch is
+        lost (every row of it and every joining row failed)."""
+        self._ready = [r for r in self._ready if r not in joining]
+        rows = self.batch.rows
+        try:
+            left, failed = self.batch.regroup(list(joining))
+        except Exception as error:  # noqa: BLE001 - even the rows that regroup alone failed together
+            self._fail_batch(rows + list(joining), error)
+            return False
+        self.counters["regroups"] += 1
+        for row, cache in left:
+            self._retire(row, cache)
+        for row, message in failed:  # rows the regroup could not carry: their requests fail alone
+            row.handle.finish("error", message)
+            self._retire(row, None)
+        return True
+
+    def _fail_batch(self, rows: list[Row], error: Exception) -> None:
+        """The batch is lost: `rows` fail with `error`, and the batch is closed."""
+        message = f"{type(error).__name__}: {error}"
+        for row in rows:
+            row.handle.finish("error", message)
+            self._retire(row, None)
+        self.batch.close()
+
+    def _admit(self) -> None:
+        """Admit queued requests to the prefilling list (`Admission.admit`); called holding the lock."""
+        self.admission.admit(self._queue, self._prefilling, self.counters)
 
     def _retire(self, row: Row, cache: DualDecoderCache | None) -> None:
         """A row is out of the scheduler: its session keeps `cache` (or starts over without one), its own cache
@@ -373,78 +373,6 @@ class Scheduler:
             self.counters["finished"] += len(self._queue)
             self._queue.clear()
             self._cond.notify_all()
-
-    # --- admission -----------------------------------------------------------------------------------------
-    def _admit(self) -> None:
-        """Move queued requests (FIFO; a session's waits while its previous request runs) to the prefilling list
-        while rows and host memory allow; called holding the lock."""
-        for handle in list(self._queue):
-            if sum(not row.done for row in self._estimates) >= self.max_batch:  # finished rows leave when it joins
-                return
-            session = None
-            if handle.session is not None:
-                session = self.sessions.acquire(handle.session)
-                if session is None:
-                    continue  # its previous request still runs
-            row = None
-            try:  # nothing about one request may stop the loop: it fails alone
-                row = Row(handle, session, coupled=self.dual_config is None or self.dual_config.coupled_sampling)
-                if session is not None and session.cache is not None:
-                    self._continue_session(row)
-                needed = self._host_bytes(row)
-            except Exception as error:  # noqa: BLE001 - reported to this request's client
-                self._queue.remove(handle)
-                handle.finish("error", f"{type(error).__name__}: {error}")
-                self.counters["finished"] += 1
-                if session is not None:  # the session keeps what it stored
-                    self.sessions.release(session, row.cache if row is not None and row.cache else session.cache)
-                continue
-            if self.max_host_bytes is not None:
-                held = sum(self._estimates.values()) + self.sessions.totals()["host_bytes"] + self.prefixes.host_bytes
-                if held + needed > self.max_host_bytes:  # idle sessions and cached prefixes make room first
-                    held -= self.prefixes.make_room(held + needed - self.max_host_bytes)
-                if held + needed > self.max_host_bytes:
-                    held -= self.sessions.make_room(held + needed - self.max_host_bytes)
-                if held + needed > self.max_host_bytes:
-                    if session is not None:
-                        self.sessions.release(session, row.cache)
-                    elif row.cache is not None:
-                        row.cache.close()
-                    if not self._estimates:  # it can never fit
-                        self._queue.remove(handle)
-                        handle.finish("error", f"The request needs {format_bytes(needed)} of host memory; the server "
-                                               f"allows {format_bytes(self.max_host_bytes)} (--max-host-bytes).")
-                        self.counters["finished"] += 1
-                        continue
-                    return
-            self._queue.remove(handle)
-            self._estimates[row] = needed
-            self._prefilling.append(row)
-
-    def _continue_session(self, row: Row) -> None:
-        """A session request continues its session's cache when its prompt extends the stored tokens; otherwise the
-        session starts over (its cache is closed)."""
-        cache, prompt = row.session.cache, row.handle.prompt
-        stored, held = cache.get_seq_length(), cache.token_ids
-        if held is not None and prompt.numel() > stored and torch.equal(held[0, :stored], prompt[:stored]):
-            row.cache, row.session.cache = cache, None
-            self.counters["session_resumes"] += 1
-        else:
-            cache.close()
-            row.session.cache = None
-
-    def _host_bytes(self, row: Row) -> int:
-        """Host bytes the row's cache will hold (its prompt + max_tokens + 1), not counting a session's stored
-        tokens (already counted as the session's); 0 for dense rows."""
-        if self.dense:
-            return 0
-        prompt, options = row.prompt_len, row.handle.options
-        cache = row.cache or self._probe
-        stored = cache.get_seq_length()
-        tokens = prompt + options.max_tokens + 1
-        if stored:
-            return cache.host_bytes_needed(1, tokens - stored, self.model.dtype, prompt_tokens=prompt - stored)
-        return cache.host_bytes_needed(1, tokens, self.model.dtype, prompt_tokens=prompt)
 
     # --- accounting ----------------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:

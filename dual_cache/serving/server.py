@@ -292,6 +292,26 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str) -> FastAPI:
     return app
 
 
+def run_http(scheduler, tokenizer, model_name: str, host: str, port: int, on_server=None) -> None:
+    """Serve `scheduler` over HTTP with uvicorn until SIGINT / SIGTERM (or `server.should_exit`).
+
+    Args:
+        on_server: called with the `uvicorn.Server` before it starts (to stop it from another thread).
+    """
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # SIGINT / SIGTERM: running requests end after their step,
+            scheduler.cancel_all()  # so their connections close and uvicorn's graceful shutdown does not wait
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(create_app(scheduler, tokenizer, model_name), host=host, port=port,
+                                   log_level="info"))
+    if on_server is not None:
+        on_server(server)
+    server.run()
+
+
 def _returned(body, handle: RequestHandle) -> list[int]:
     """The generated tokens a choice returns (none for a completion with max_tokens 0: its one token is dropped)."""
     limit = body.max_tokens if isinstance(body, CompletionBody) and body.max_tokens is not None else None

@@ -67,8 +67,8 @@ def serve_rank(args) -> int:
             rank raises the same before serving.
     """
     from ..models import load_model, model_display_name
-    from .cli import run_http
     from .distributed import TPGroup
+    from .server import run_http
     from .tp_scheduler import TPScheduler
 
     world = int(os.environ.get("WORLD_SIZE", "1"))

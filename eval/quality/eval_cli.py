@@ -43,7 +43,7 @@ def add_parser(subparsers) -> None:
         p.add_argument("--ruler-tasks", nargs="+", default=["niah_single_2"], help="RULER task names (synthetic.yaml)")
         p.add_argument("--lengths", type=int, nargs="+", default=[4096], help="RULER target lengths (tokens)")
         p.add_argument("--ruler-template", default="ruler", choices=["ruler", "simple"],
-                       help="NIAH wording: RULER's, or 'simple' (eval/quality/needle.py's, not RULER's; the 135M model answers it)")
+                       help="NIAH wording: RULER's, or 'simple' (dual_cache/needle_prompt.py's, not RULER's; the 135M model answers it)")
         p.add_argument("--ruler-qa-dir", default=None,
                        help="folder with squad.json (SQuAD v2.0 dev) / hotpotqa.json (HotpotQA dev distractor) for qa_1 / qa_2")
         p.add_argument("--chat-template", default="auto", choices=["auto", "none"],

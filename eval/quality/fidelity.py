@@ -1,6 +1,6 @@
 """Fidelity to dense attention on long natural text: teacher-forced KL and top-1 agreement, identical greedy length.
 
-Text: `needle.reference_document()` (the Python Language Reference shipped with CPython), tokenized as plain
+Text: `dual_cache.needle_prompt.reference_document()` (the Python Language Reference shipped with CPython), tokenized as plain
 text (no chat template) from a seeded word offset. A sample of length `L` is a prompt of `L - T - G` tokens, the
 next `T` document tokens (the teacher-forced continuation) and `G` greedy steps.
 
@@ -30,7 +30,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from .generation import generate
 from .methods import Method
-from .needle import reference_document
+from ...needle_prompt import reference_document
 
 
 class ForcedTokens(LogitsProcessor):

@@ -1,5 +1,5 @@
 """Natural-text prompts: distinct passages of the RULER essay haystack (the Python Language Reference shipped with
-CPython, `needle.reference_document`), each asked to be continued — the decode workload of a batch of long
+CPython, `dual_cache.needle_prompt.reference_document`), each asked to be continued — the decode workload of a batch of long
 requests whose next tokens a speculator cannot copy from its own batch-mates.
 """
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import random
 
-from .needle import format_chat, reference_document
+from ...chat import format_chat
+from ...needle_prompt import reference_document
 
 CUE = "\n\nContinue the text above in the same style."
 

@@ -5,7 +5,7 @@ configuration answer (issue 2's quality target: at 4K, budget 256, as many corre
     python -m dual_cache.eval.quality.needle_sweep --model gemma3-270m --tokens 16384 --seeds 0-7 --out results/needle/gemma-16k
 
 Writes `<out>.jsonl` (one row per seed: the answer and each method's text and correctness) and `<out>.md` (the
-table and the counts). Prompts are `needle.make_needle_prompt` ("The special magic number for <word> is: <7
+table and the counts). Prompts are `dual_cache.needle_prompt.make_needle_prompt` ("The special magic number for <word> is: <7
 digits>" inside a real document), greedy decoding, 24 new tokens; an answer is correct when it contains the digits.
 """
 
@@ -21,7 +21,8 @@ from ...config import DualDecoderConfig
 from ...help_format import DefaultsHelpFormatter
 from ...models import model_display_name
 from .methods import cache_config
-from .needle import format_chat, make_needle_prompt
+from ...chat import format_chat
+from ...needle_prompt import make_needle_prompt
 from ..outputs import default_out, write_rows_and_table
 
 METHODS = ("dense", "dual", "dual-no-drift", "dual-no-repair", "dual-none", "dual-exact", "dual-lowbit",

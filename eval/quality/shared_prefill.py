@@ -33,7 +33,7 @@ import torch
 from transformers import DynamicCache
 
 from dual_cache.cache import DualDecoderCache
-from dual_cache.compat import check_model_serves_dual
+from dual_cache.checks import check_model_serves_dual
 from dual_cache.config import DualDecoderConfig
 from dual_cache.step import cache_kwarg_name
 from dual_cache.layer import DualLayer
@@ -123,7 +123,7 @@ class SharedPrefill:
         memory only): `generate()` continues it with the whole prompt.
 
         Raises:
-            ValueError: invalid options, or a model the dual cache cannot serve (`compat.check_model_serves_dual`).
+            ValueError: invalid options, or a model the dual cache cannot serve (`checks.check_model_serves_dual`).
             HostMemoryError: the generation would not fit in the cache's host-memory limit.
         """
         config = options if isinstance(options, DualDecoderConfig) else DualDecoderConfig.from_dict(dict(options))

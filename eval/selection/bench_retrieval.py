@@ -44,9 +44,11 @@ import torch
 from ...config import DualDecoderConfig
 from ...engine import native
 from ...help_format import DefaultsHelpFormatter
-from ...host_store import HostKVStore, advise_huge_pages
+from ...host_pages import advise_huge_pages
+from ...host_store import HostKVStore
 from .torch_exact import select as torch_select
-from ...selectors import SELECTORS, Candidates
+from ...selection import Candidates
+from ...selectors import SELECTORS
 from ..outputs import default_out, write_rows_and_table
 from ..spread import load_average, load_warning
 

@@ -47,7 +47,8 @@ from .torch_exact import group_attention_mass
 from ...speculators import SelfSpeculator
 from ...step import cache_kwarg_name
 from ..outputs import default_out, write_rows_and_table
-from ..quality.needle import format_chat, make_needle_prompt
+from ...chat import format_chat
+from ...needle_prompt import make_needle_prompt
 from ..quality.needle_sweep import load_tool_model, parse_seeds, threads_arg
 from ..quality.natural_text import natural_prompt_ids
 

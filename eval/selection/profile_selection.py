@@ -30,7 +30,8 @@ from ...config import DualDecoderConfig
 from ...engine import native, profiling
 from ...engine.codes import GROUP
 from ...help_format import DefaultsHelpFormatter
-from ...selectors import SELECTORS, Candidates
+from ...selection import Candidates
+from ...selectors import SELECTORS
 from ..outputs import default_out, write_rows_and_table
 from ..spread import load_average, load_warning
 from .bench_retrieval import _store, host_read_gbps

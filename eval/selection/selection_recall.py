@@ -4,7 +4,7 @@
         --configs exact lowbit 'lowbit:{"lowbit_factor": 2}' 'lowbit:{"lowbit_factor": 8}' \
         --out results/selection/smollm2-135m-8k-lowbit
 
-For each word-needle prompt (`needle.make_needle_prompt`), or each RULER sample of `--ruler-task` (the prompts of
+For each word-needle prompt (`dual_cache.needle_prompt.make_needle_prompt`), or each RULER sample of `--ruler-task` (the prompts of
 the RULER table: `ruler.generate_sample` with the model's prompt format, seed = sample index), one dense prefill (in
 chunks, transformers' default cache) records every full-attention layer's keys (after RoPE) and the queries of the
 last `--queries` prompt positions. Per layer (from `--skip-layers`), KV head and query position `p`, the exact
@@ -35,8 +35,10 @@ from ...help_format import DefaultsHelpFormatter
 from ...host_store import HostKVStore
 from ...models import model_display_name
 from .torch_exact import group_attention_mass
-from ...selectors import SELECTORS, Candidates
-from ..quality.needle import format_chat, make_needle_prompt
+from ...selection import Candidates
+from ...selectors import SELECTORS
+from ...chat import format_chat
+from ...needle_prompt import make_needle_prompt
 from ..quality.needle_sweep import load_tool_model, parse_seeds, threads_arg
 from ..outputs import default_out, write_rows_and_table
 

@@ -61,7 +61,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Callable
 
 import torch
@@ -71,6 +71,7 @@ from .bench_capacity import GIB, MemoryLimits, apply_device_cap, find_max_batch
 from .. import spread
 from .bench_cell import run_cell
 from .bench_grid import ALL_METHODS, CPU_LINEARS, PROMPT_KINDS, BenchGrid, skipped_methods
+from .bench_result import BenchResult
 from .bench_models import NAMED_MODELS, PromptSource, load_bench_model, weight_bytes
 from ..outputs import default_out
 from .cpu_linear import gemm_linears
@@ -78,16 +79,6 @@ from .cpu_linear import gemm_linears
 
 TIMED = ("prefill_s", "decode_tokens_per_s", "ms_per_step", "overlap_ratio", "idle_copy_fraction", "idle_host_fraction",
          "wait_seconds", "blocked_ms_per_step", "sync_points_per_step")  # vary between runs
-
-
-@dataclass
-class BenchResult:
-    """Rows of a run: `cells` (one per `generate()` call), `max_batch` (one per method/context/budget when memory
-    limits were given; see `bench_capacity.find_max_batch`), `meta`."""
-
-    cells: list[dict] = field(default_factory=list)
-    max_batch: list[dict] = field(default_factory=list)
-    meta: dict = field(default_factory=dict)
 
 
 def run_bench(model, tokenizer, grid: BenchGrid, limits: MemoryLimits | None = None, model_name: str = "",

@@ -93,7 +93,8 @@ class PromptSource:
 
                 self._cache[key] = natural_prompt_ids(self.tokenizer, context, seed)
             else:
-                from ..quality.needle import format_chat, make_needle_prompt
+                from ...chat import format_chat
+                from ...needle_prompt import make_needle_prompt
 
                 prompt = make_needle_prompt(self.tokenizer, context, seed=seed)
                 self._cache[key] = format_chat(self.tokenizer, prompt.text)

@@ -1,4 +1,4 @@
-"""Tables and plots of a benchmark run (`bench.BenchResult`): markdown with ratios measured in the same run, and
+"""Tables and plots of a benchmark run (`bench_result.BenchResult`): markdown with ratios measured in the same run, and
 matplotlib figures (Agg backend, PNG): throughput vs batch per method, device bytes per request vs context."""
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
 
-    from .bench import BenchResult
+    from .bench_result import BenchResult
 
     parser = argparse.ArgumentParser(prog="python -m dual_cache.eval.throughput.bench_report",
                                      description=main.__doc__.split(": ", 1)[1])

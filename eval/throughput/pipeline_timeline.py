@@ -19,7 +19,8 @@ import torch
 from ...cache import DualDecoderCache
 from ...timing import TimingStreamer
 from ...models import load_model
-from ..quality.needle import format_chat, make_needle_prompt
+from ...chat import format_chat
+from ...needle_prompt import make_needle_prompt
 
 
 def summarize(timeline: list[dict], skip_steps: int = 1) -> list[dict]:

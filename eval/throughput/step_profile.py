@@ -51,7 +51,8 @@ def prompt_ids(tokenizer, vocab_size: int, tokens: int, batch: int, prompt: str,
     if prompt == "random":
         low = min(100, vocab_size // 4)  # clear of the special tokens at either end of a real vocabulary
         return torch.randint(low, vocab_size - low, (batch, tokens), generator=torch.Generator().manual_seed(seed))
-    from ..quality.needle import make_needle_prompt, format_chat
+    from ...chat import format_chat
+    from ...needle_prompt import make_needle_prompt
 
     text = make_needle_prompt(tokenizer, tokens, seed=seed).text
     return torch.tensor([format_chat(tokenizer, text)]).expand(batch, -1).contiguous()

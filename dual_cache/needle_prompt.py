@@ -1,4 +1,5 @@
-"""Word-needle prompts over a real document, generated offline and deterministically.
+"""Word-needle prompts over a real document, generated offline and deterministically (`dual-decoder demo`'s question;
+the evaluation's needle sweep, recall and benchmark prompts).
 
 The haystack is the Python Language Reference as shipped with every CPython (`pydoc_data.topics`), a real
 technical document available offline. The needle follows RULER's niah template with a word key and a
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+
+from .chat import format_chat
 
 NEEDLE_WORDS = (
     "apple", "harbor", "violet", "canyon", "lantern", "meadow", "falcon", "glacier", "orchid", "quartz",
@@ -81,13 +84,3 @@ def make_needle_prompt(tokenizer, target_tokens: int, seed: int = 0, depth: floa
             hi = mid - 1
     text = build(lo)
     return NeedlePrompt(text=text, key=key, answer=answer, n_tokens=length(text))
-
-
-def format_chat(tokenizer, text: str) -> list[int]:
-    """Token ids of `text` as one user turn with the generation prompt (plain encoding without a template)."""
-    if getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
-        )
-        return list(out["input_ids"])
-    return tokenizer(text)["input_ids"]

@@ -30,15 +30,15 @@ import time
 
 import torch
 
-from ..config import DualDecoderConfig
-from ..eval import spread
-from ..eval.outputs import default_out, write_rows_and_table
-from ..eval.quality.natural_text import natural_prompt_ids
-from ..eval.spread import with_range
-from ..eval.throughput.bench_grid import decoding_text
-from ..eval.throughput.launch_thread import StepProbe
-from ..help_format import DefaultsHelpFormatter
-from .rows import GREEDY_BELOW
+from ...config import DualDecoderConfig
+from ...help_format import DefaultsHelpFormatter
+from ...serving.rows import GREEDY_BELOW
+from .. import spread
+from ..outputs import default_out, write_rows_and_table
+from ..quality.natural_text import natural_prompt_ids
+from ..spread import with_range
+from .bench_grid import decoding_text
+from .launch_thread import StepProbe
 
 SYSTEMS = ("dual", "dense", "static", "generate-batch")
 PROMPT_KINDS = ("random", "natural")
@@ -84,8 +84,8 @@ def sampling_kwargs(args) -> dict:
 
 
 def run_scheduler(model, requests, args, dense: bool) -> list[dict]:
-    from .requests import GenerationOptions
-    from .scheduler import Scheduler
+    from ...serving.requests import GenerationOptions
+    from ...serving.scheduler import Scheduler
 
     probe = StepProbe(count=not args.no_sync_points)
     scheduler = Scheduler(model, cache_config=args.cache_config, dense=dense, max_batch=args.max_batch,
@@ -123,7 +123,7 @@ def run_scheduler(model, requests, args, dense: bool) -> list[dict]:
 
 
 def run_static(model, requests, args, pad_id: int) -> list[dict]:
-    from ..cache import DualDecoderCache
+    from ...cache import DualDecoderCache
 
     out, start = [], time.perf_counter()
     peak = {"device": 0, "host": 0}
@@ -182,7 +182,7 @@ def run_static(model, requests, args, pad_id: int) -> list[dict]:
 def run_generate_batch(model, requests, args) -> list[dict]:
     from transformers import GenerationConfig
 
-    from .openmp_pool import release_openmp_pool
+    from ...serving.openmp_pool import release_openmp_pool
 
     config = GenerationConfig(**sampling_kwargs(args), max_new_tokens=max(r["max_tokens"] for r in requests),
                               eos_token_id=None, pad_token_id=model.generation_config.pad_token_id or 0)
@@ -284,7 +284,7 @@ def table(rows: list[dict], args) -> str:
 
 
 def add_parser(sub) -> None:
-    from .cli import cache_config
+    from ...serving.cli import cache_config
 
     p = sub.add_parser("bench-serve", help="serving benchmark: Poisson arrivals, dual vs dense vs static generate()",
                        description="Serving benchmark: a Poisson stream of long-context requests with mixed output "
@@ -357,7 +357,7 @@ def cmd_bench_serve(args) -> int:
     if problems:
         raise ValueError("; ".join(problems) + ".")
     args.cache_config = args.cache_config or DualDecoderConfig()
-    from ..models import load_model, model_display_name
+    from ...models import load_model, model_display_name
 
     model, tokenizer = load_model(args.model)
     special = set(tokenizer.all_special_ids) if tokenizer is not None else set()

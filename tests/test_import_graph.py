@@ -1,0 +1,202 @@
+"""The package's import graph, read from the source with `ast`: no import loop anywhere in `dual_cache` (the library
+and `eval/`, installed as `dual_cache.eval`), and the library imports nothing from `dual_cache.eval`, not even inside
+a function (docs/architecture.md: evaluation sits on top; the CLI reaches it through the `dual_cache.commands`
+entry-point group).
+
+Every `import` statement counts, at module level or inside a function or class body (under `if TYPE_CHECKING:` too:
+a type-only import of the evaluation code still ties the library to it). `from pkg import name` is an
+edge to `pkg.name` when that is a module of the package, else to `pkg`; relative imports are resolved against the
+importing module's package. Importing `a.b.c` also runs `a` and `a.b`'s `__init__`, but those edges are not drawn:
+a loop through a package's `__init__` shows up as the package importing its submodule and the submodule importing a
+name from the package."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LIBRARY = "dual_cache"
+EVAL = "dual_cache.eval"
+# where each top-level package's source lives (pyproject's [tool.setuptools.package-dir])
+SOURCES = {LIBRARY: ROOT / "dual_cache", EVAL: ROOT / "eval"}
+
+
+def module_files() -> dict[str, Path]:
+    """Every module of the package: dotted name → source file (`__init__.py` names the package itself)."""
+    modules = {}
+    for package, folder in SOURCES.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = path.relative_to(folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join((package, *parts))] = path
+    return modules
+
+
+def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The absolute module an `ImportFrom` names (relative levels resolved against `module`'s package)."""
+    if not node.level:
+        return node.module or ""
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    base = package[: len(package) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports_of(module: str, path: Path, modules: dict[str, Path]) -> dict[str, int]:
+    """The package's modules `module` imports, anywhere in its source: imported module → first line number."""
+    edges: dict[str, int] = {}
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            source = _resolve(module, path.name == "__init__.py", node)
+            targets = [f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules else source
+                       for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:  # `import a.b.name` style leftovers: the longest known prefix
+                target = target.rpartition(".")[0]
+            if target and target != module:
+                edges.setdefault(target, node.lineno)
+    return edges
+
+
+def import_graph() -> dict[str, dict[str, int]]:
+    modules = module_files()
+    return {module: imports_of(module, path, modules) for module, path in modules.items()}
+
+
+def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each as one loop through them."""
+    index, low, stack, on_stack, components = {}, {}, [], set(), []
+
+    def visit(node):  # recursive: the package has a few hundred modules at most
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(_loop(graph, sorted(component)))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return components
+
+
+def _loop(graph: dict[str, dict[str, int]], component: list[str]) -> list[str]:
+    """One closed path through a strongly connected component, from its first member back to it (breadth-first)."""
+    members = set(component)
+    start = component[0]
+    parents = {start: None}
+    frontier = [start]
+    while frontier:
+        next_frontier = []
+        for node in frontier:
+            for target in sorted(graph[node]):
+                if target == start:
+                    path = [node]
+                    while parents[path[-1]] is not None:
+                        path.append(parents[path[-1]])
+                    return list(reversed(path)) + [start]
+                if target in members and target not in parents:
+                    parents[target] = node
+                    next_frontier.append(target)
+        frontier = next_frontier
+    raise AssertionError(f"{component} is not strongly connected")
+
+
+def _describe(graph, loop, modules) -> str:
+    steps = [f"  {source} ({modules[source].relative_to(ROOT)}:{graph[source][target]}) imports {target}"
+             for source, target in zip(loop, loop[1:])]
+    return "\n".join(steps)
+
+
+def test_module_names_are_read_from_both_source_folders():
+    modules = module_files()
+    assert {"dual_cache", "dual_cache.cache", "dual_cache.eval", "dual_cache.eval.quality.harness"} <= set(modules)
+
+
+def test_resolution_of_relative_and_from_imports(tmp_path):
+    """`from . import x` (x a module) is an edge to the module; `from .pkg import name` (name not a module) to the
+    package; `import a.b.name`-style leftovers to the longest known module."""
+    modules = {"p": tmp_path / "__init__.py", "p.a": tmp_path / "a.py", "p.sub": tmp_path / "sub" / "__init__.py",
+               "p.sub.b": tmp_path / "sub" / "b.py"}
+    source = ("from . import a\nfrom .sub import b, helper\ndef f():\n    from ..a import thing\n"
+              "import p.sub.b.attr\n")
+    (tmp_path / "sub").mkdir()
+    modules["p.sub.b"].write_text(source)
+    assert imports_of("p.sub.b", modules["p.sub.b"], modules) == {"p.sub": 1, "p.a": 4}
+    init = tmp_path / "sub" / "__init__.py"
+    init.write_text("from . import b\nfrom .b import helper\nfrom .. import a\n")
+    assert imports_of("p.sub", init, modules) == {"p.sub.b": 1, "p.a": 3}
+
+
+def test_a_loop_is_found_as_a_closed_path():
+    graph = {"m.a": {"m.b": 3}, "m.b": {"m.c": 5}, "m.c": {"m.a": 7, "m.d": 8}, "m.d": {}, "m.e": {"m.a": 1}}
+    assert cycles(graph) == [["m.a", "m.b", "m.c", "m.a"]]
+    assert cycles({"m.a": {"m.b": 1}, "m.b": {}}) == []
+
+
+def test_no_import_loop():
+    """A loop makes the import order decide whether a name exists yet (a partially initialised module)."""
+    modules = module_files()
+    graph = import_graph()
+    found = cycles(graph)
+    assert not found, "import loops (each line: the module, where, what it imports):\n" + "\n\n".join(
+        _describe(graph, loop, modules) for loop in found) + (
+        "\nCut each loop at one edge: import the name from the module that defines it rather than from a package "
+        "whose __init__ imports the importer back, or move the shared piece into a module of its own that both "
+        "import.")
+
+
+def test_library_imports_nothing_from_eval():
+    """The library (everything under dual_cache/ but eval/) must run without the evaluation code: eval imports the
+    library, never the other way round."""
+    modules = module_files()
+    graph = import_graph()
+    found = [f"  {source} ({modules[source].relative_to(ROOT)}:{line}) imports {target}"
+             for source, edges in sorted(graph.items()) if not _in_eval(source)
+             for target, line in sorted(edges.items()) if _in_eval(target)]
+    assert not found, "the library imports the evaluation code:\n" + "\n".join(found) + (
+        "\nMove the code that needs dual_cache.eval into eval/ (a command: register it in pyproject's "
+        "[project.entry-points.\"dual_cache.commands\"] so `dual-decoder` still lists it), or move what the library "
+        "needs from eval/ down into dual_cache/.")
+
+
+def _in_eval(module: str) -> bool:
+    return module == EVAL or module.startswith(EVAL + ".")
+
+
+def test_installed_eval_commands_are_pyprojects():
+    """`dual-decoder` finds the evaluation's commands through the `dual_cache.commands` entry points that pip wrote
+    from pyproject.toml; an installation older than the table lacks commands (or names moved modules)."""
+    import tomllib
+    from importlib.metadata import entry_points
+
+    from dual_cache.cli import EVAL_COMMANDS
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"][EVAL_COMMANDS]
+    installed = {entry.name: entry.value for entry in entry_points(group=EVAL_COMMANDS)}
+    assert installed == declared, (
+        f"the installed {EVAL_COMMANDS} entry points {installed} differ from pyproject.toml's {declared}: reinstall "
+        "(`make install`, or `pip install -e .`) so `dual-decoder` lists the evaluation's commands")
+    modules = module_files()
+    for name, value in declared.items():
+        module = value.partition(":")[0]
+        assert _in_eval(module) and module in modules, (
+            f"entry point {name} = {value!r}: name a module of dual_cache.eval (eval/); the library's own commands are "
+            "added by dual_cache/cli.py's build_parser")
