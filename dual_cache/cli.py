@@ -19,7 +19,7 @@ from importlib.metadata import entry_points
 
 import torch
 
-from .config import SELECTORS, DualDecoderConfig
+from .config import SELECTOR_NAMES, DualDecoderConfig
 from .extras import MissingExtraError
 from .help_format import DefaultsHelpFormatter
 from .host_memory import HostMemoryError, format_bytes
@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "decoded beside the real one), an n-gram of the context, or none (one token per forward, "
                             "no speculation: each step uses the entries the previous real token's query chose, "
                             f"prefetched a step early) (default: {base.speculator})")
-        p.add_argument("--selector", default=given, choices=list(SELECTORS),
+        p.add_argument("--selector", default=given, choices=list(SELECTOR_NAMES),
                        help="host selection (dual_cache/selectors/): exact top-k over every key (native engine), "
                             "lowbit (2-bit key index + exact rescoring), oracle (the real token's own top-k, "
                             f"evaluation), quest (the Quest baseline) (default: {base.selector})")

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import torch
 
 from .kernels import BACKENDS as ATTENTION_KERNELS
-from .selectors import SELECTORS as SELECTOR_CLASSES
+from .selectors import SELECTORS
 
 SPECULATORS = ("self", "ngram", "none")
 
@@ -26,7 +26,7 @@ def usable_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not on Linux
         return os.cpu_count() or 1
-SELECTORS = tuple(SELECTOR_CLASSES)
+SELECTOR_NAMES = tuple(SELECTORS)  # `selector` values, in the registry's order
 
 
 @dataclass
@@ -292,9 +292,9 @@ class DualDecoderConfig:
                 )
         if self.speculator not in SPECULATORS:
             raise ValueError(f"`speculator` must be one of {SPECULATORS}, got {self.speculator!r}.")
-        if self.selector not in SELECTORS:
-            raise ValueError(f"`selector` must be one of {SELECTORS}, got {self.selector!r}.")
-        SELECTOR_CLASSES[self.selector].check_config(self)
+        if self.selector not in SELECTOR_NAMES:
+            raise ValueError(f"`selector` must be one of {SELECTOR_NAMES}, got {self.selector!r}.")
+        SELECTORS[self.selector].check_config(self)
         if self.drift_on_hit_steps is not None and not isinstance(self.drift_on_hit_steps, bool):
             raise ValueError(
                 f"`drift_on_hit_steps` must be True, False or None (auto), got {self.drift_on_hit_steps!r}.")
