@@ -31,7 +31,7 @@ from .host_memory import HostMemory, HostMemoryError, available_host_bytes  # no
 from .layer import DualLayer
 from .layer_types import resolve_layer_types
 from .repair import StepRows
-from .schedule import TransferSchedule
+from .transfer_schedule import TransferSchedule
 from .sequences import SequenceState
 from .cache_layers import build_layers, share_layers, slide_layers
 from .tensor_parallel import TensorShard, adopt_shard, head_dim_of, whole_model

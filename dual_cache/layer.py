@@ -17,7 +17,7 @@ from .host_store import HostKVStore
 from .kernels import KVSegment
 from .repair import StepRows, rows_to_repair
 from .rerank import rerank_valid
-from .schedule import TransferSchedule
+from .transfer_schedule import TransferSchedule
 from .selection import Candidates, compact_positions
 from .selectors import SELECTORS, Selector
 from .sequences import SequenceState

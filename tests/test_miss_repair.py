@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dual_cache import DualDecoderCache, DualDecoderConfig
-from dual_cache.schedule import TransferSchedule
+from dual_cache.transfer_schedule import TransferSchedule
 from dual_cache.selection import Selection
 from tests.conftest import record_selections, six_layer_llama
 
