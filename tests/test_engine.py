@@ -120,6 +120,77 @@ def test_result_does_not_depend_on_threads_or_variant(variant):
             assert torch.equal(scalar[0], other[0]) and torch.equal(scalar[1], other[1])
 
 
+@pytest.mark.parametrize("variant", list(native.VARIANTS))
+@pytest.mark.parametrize("batch, kv_heads", [(1, 1), (1, 2), (2, 1)])
+def test_a_task_split_over_threads_selects_and_gathers_what_one_thread_does(variant, batch, kv_heads):
+    """With more threads than (sequence, KV head) tasks (MQA, batch 1), each task's scan groups and exact rows are
+    split over threads (2 to 4 parts of a task here, and uneven splits): the indices and the gathered K/V equal one
+    thread's, with and without an index, with a shortlist that the split scan must fill from every part."""
+    _runnable(variant)
+    n = 3 * 16384 + 900  # up to 3 parts of at least 16K positions per task
+    query, mask, keys, index = _problem(31 + kv_heads, batch, kv_heads, 4, 48, n, torch.bfloat16)
+    gen = torch.Generator().manual_seed(32)
+    values = [torch.randn(chunk.shape, generator=gen).to(chunk.dtype) for chunk in keys]
+    prepared = engine.chunks(keys, values)
+    library = native.library(variant)
+    for with_index, shortlist, quads in [(True, 512, 3), (True, 40, 12), (False, 0, None)]:
+        view = index if with_index else None
+
+        def run(threads):
+            out = tuple(torch.zeros(batch, kv_heads, 24, 48, dtype=torch.bfloat16) for _ in range(2))
+            got = engine._native_select(library, query, mask, prepared, 24, 0.15, view, shortlist, threads, quads, out)
+            return got, out
+
+        (one, one_out) = run(1)
+        for threads in (2, 3, 4, 7):
+            (got, out) = run(threads)
+            assert torch.equal(got[0], one[0]) and torch.equal(got[1], one[1]), (with_index, threads)
+            assert torch.equal(out[0], one_out[0]) and torch.equal(out[1], one_out[1]), (with_index, threads)
+    if variant == VARIANTS[-1]:  # and one thread's selection is the reference's
+        expected = reference.select(query, mask, keys, 24, 0.15, (index.packed, index.params, index.group_first,
+                                                                  index.usable(mask.shape[1])), 512, quads=3)
+        got = engine._native_select(library, query, mask, keys, 24, 0.15, index, 512, 4, 3)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def _select_in_child(queue, args):  # a fork()ed child's call (module level: multiprocessing pickles it by name)
+    library = native.library(native.active_variant())
+    queue.put([t.tolist() for t in engine._native_select(library, *args)])
+
+
+def test_threads_kept_between_calls_serve_concurrent_calls_a_forked_child_and_a_release():
+    """The engine keeps its worker threads between calls: calls from several Python threads at once (one gets the
+    kept threads, the others start their own), a fork()ed child (which has none of the parent's threads: a call
+    there must not wait for them), and calls after `dc_release_scratch` stopped them all select what one thread
+    selects."""
+    import concurrent.futures
+    import multiprocessing
+
+    if engine.native.library() is None:
+        pytest.skip("no native engine here (no compiler): the pure-torch reference keeps no threads")
+    library = native.library(native.active_variant())
+    query, mask, keys, index = _problem(41, 1, 1, 4, 32, 2 * 16384 + 500, torch.bfloat16)
+    args = (query, mask, keys, 16, 0.2, index, 256, 2, 5)  # one task in two parts: the caller and a kept thread
+    expected = engine._native_select(library, *args[:-2], 1, 5)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: engine._native_select(library, *args), range(12)))
+    assert all(torch.equal(r[0], expected[0]) and torch.equal(r[1], expected[1]) for r in results)
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_select_in_child, args=(queue, args))
+    child.start()
+    try:
+        got = queue.get(timeout=120)  # a child waiting for threads it does not have never answers
+        child.join(timeout=120)
+    finally:
+        child.kill()
+    assert child.exitcode == 0 and got == [t.tolist() for t in expected]
+    library.dc_release_scratch()
+    library.dc_release_scratch()  # idempotent
+    again = engine._native_select(library, *args)
+    assert torch.equal(again[0], expected[0]) and torch.equal(again[1], expected[1])
+
+
 def test_the_vnni_scan_arithmetic_by_emulation():
     """The AVX-512 scan's integer trick, emulated in torch on random codes and weights (so it is checked on CPUs
     without VNNI too): a quad's 64-byte line masked with 3 << 2i holds 4^i x the codes of bit pair i; a 4-way u8 x s8

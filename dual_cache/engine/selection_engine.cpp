@@ -14,13 +14,16 @@
 // Floating-point work is written as fixed 16-lane loops with no contraction (-ffp-contract=off), so every build
 // variant and thread count returns the same selection.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <functional>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <pthread.h>
 #include <thread>
 #include <time.h>
 #include <vector>
@@ -106,15 +109,19 @@ inline int64_t thread_ns() {  // CPU time of the calling thread (time it waits f
   return static_cast<int64_t>(t.tv_sec) * 1000000000 + t.tv_nsec;
 }
 
-struct Clock {  // adds the time since the last mark to a phase of one task's row
+struct Clock {  // adds the time since the last mark to a phase of one task's row (the parts of a split task add
+               // to the same row, atomically)
   int64_t* row;
   int64_t last;
   explicit Clock(int64_t* r) : row(r), last(r ? thread_ns() : 0) {}
   void mark(Phase phase) {
     if (!row) return;
     const int64_t t = thread_ns();
-    row[phase] += t - last;
+    __atomic_fetch_add(&row[phase], t - last, __ATOMIC_RELAXED);
     last = t;
+  }
+  void skip() {  // the time since the last mark counts for no phase (a wait at a barrier)
+    if (row) last = thread_ns();
   }
 };
 
@@ -168,6 +175,104 @@ std::unique_ptr<Scratch> take_scratch() {
 void give_scratch(std::unique_ptr<Scratch> s) {
   std::lock_guard<std::mutex> guard(pool_lock);
   pool.push_back(std::move(s));
+}
+
+// --- threads kept between calls ------------------------------------------------------------------------------
+// A call's workers other than the calling thread run on threads kept between calls: starting a thread costs tens of
+// microseconds, as much as the work of a small call. One call uses them at a time; a call that finds them busy
+// (another thread is in a call), or needs more of them than the CPU has cores, starts its own threads. A fork()ed
+// child starts with none (the parent's threads do not exist there). dc_release_scratch() stops them.
+class KeptThreads {
+ public:
+  // job(w) for w = 0 .. n - 1 at once, w = 0 on the calling thread; false (nothing run) when busy or too many
+  bool try_run(int n, const std::function<void(int)>& job) {
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    if (!busy.owns_lock() || n - 1 > capacity()) return false;
+    try {
+      while (static_cast<int>(threads_.size()) < n - 1) {
+        const int index = static_cast<int>(threads_.size());
+        int64_t now;  // the generation before this call's: the new thread waits for the next one
+        {
+          std::lock_guard<std::mutex> guard(lock_);
+          now = generation_;
+        }
+        threads_.emplace_back([this, index, now] { serve(index, now); });
+      }
+    } catch (...) {
+      return false;  // the threads that did start are kept for later calls
+    }
+    {
+      std::lock_guard<std::mutex> guard(lock_);
+      job_ = &job;
+      wanted_ = n - 1;
+      remaining_ = n - 1;
+      ++generation_;
+    }
+    wake_.notify_all();
+    job(0);
+    std::unique_lock<std::mutex> guard(lock_);
+    done_.wait(guard, [this] { return remaining_ == 0; });
+    job_ = nullptr;
+    return true;
+  }
+
+  void stop() {  // waits for a running call, then joins every kept thread
+    std::lock_guard<std::mutex> busy(busy_);
+    {
+      std::lock_guard<std::mutex> guard(lock_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    for (auto& t : threads_) t.join();
+    threads_.clear();
+    std::lock_guard<std::mutex> guard(lock_);
+    stopping_ = false;
+  }
+
+ private:
+  static int capacity() {
+    static const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    return cores;
+  }
+
+  void serve(int index, int64_t seen) {  // kept thread `index` runs worker index + 1 of each call that wants it
+    std::unique_lock<std::mutex> guard(lock_);
+    for (;;) {
+      wake_.wait(guard, [&] { return stopping_ || generation_ != seen; });
+      if (stopping_) return;
+      seen = generation_;
+      if (index >= wanted_) continue;
+      const std::function<void(int)>* job = job_;
+      guard.unlock();
+      (*job)(index + 1);  // the job catches its own exceptions
+      guard.lock();
+      if (--remaining_ == 0) done_.notify_one();
+    }
+  }
+
+  std::mutex busy_;  // held by the call using the threads
+  std::mutex lock_;  // guards the fields below
+  std::condition_variable wake_, done_;
+  const std::function<void(int)>* job_ = nullptr;
+  int wanted_ = 0, remaining_ = 0;
+  int64_t generation_ = 0;
+  bool stopping_ = false;
+  std::vector<std::thread> threads_;
+};
+
+KeptThreads* kept_threads_now = nullptr;  // never deleted: its threads may be waiting in it until the process ends
+std::once_flag kept_threads_once;
+
+void forget_kept_threads_in_child() {  // after fork(): the parent's threads (and the locks they held) are not here
+  kept_threads_now = new KeptThreads();
+}
+
+KeptThreads& kept_threads() {
+  std::call_once(kept_threads_once, [] {
+    kept_threads_now = new KeptThreads();
+    pthread_atfork(nullptr, nullptr, forget_kept_threads_in_child);
+  });
+  return *kept_threads_now;
 }
 
 // --- exact logits -----------------------------------------------------------------------------------------
@@ -1333,9 +1438,11 @@ inline void prefetch_group(const IndexTask& ix, const uint8_t* const* qb, int64_
   for (int64_t off = 0; off < 2 * dq * 2; off += 64) __builtin_prefetch(p + off);
 }
 
-// score[i] for every covered position i = position - group_first (m: the mask from group_first on)
+// score[i] for the covered positions i = position - group_first of groups [g_lo, g_hi) (m: the mask from
+// group_first on). The sampled groups (each head's normalizer) are scanned whatever the range, so every range's
+// scores are those of a scan of all groups.
 void scan_index(const Call& c, const IndexTask& ix, const float* q, int64_t groups, const uint8_t* m, Scratch& s,
-                Clock& clock) {
+                Clock& clock, int64_t g_lo, int64_t g_hi, float* score) {
   const int64_t G = c.group, dq = c.dim_q, Q = dq / 4;
   const int64_t R = std::max<int64_t>(1, std::min(c.quads, Q));
   const uint16_t* params = ix.params;
@@ -1397,15 +1504,13 @@ void scan_index(const Call& c, const IndexTask& ix, const float* q, int64_t grou
     s.offset[h] = peak + static_cast<float>(std::log(static_cast<double>(sum_lanes(l, n))));
   }
   clock.mark(SCAN_SAMPLE);
-  const int64_t covered = groups * GROUP;
-  s.score.resize(covered);
   s.acc.resize(G * GROUP);
   s.a_buf.resize(WEIGHT_BLOCK * G);
   s.b_buf.resize(WEIGHT_BLOCK * G);
   s.wa.resize(WEIGHT_BLOCK * G);
   s.wc.resize(WEIGHT_BLOCK * G);
-  for (int64_t g0 = 0; g0 < groups; g0 += WEIGHT_BLOCK) {
-    const int64_t g1 = std::min(groups, g0 + WEIGHT_BLOCK);
+  for (int64_t g0 = g_lo; g0 < g_hi; g0 += WEIGHT_BLOCK) {
+    const int64_t g1 = std::min(g_hi, g0 + WEIGHT_BLOCK);
     // the block's weights first (independent chains of divisions and reductions, overlapped by the CPU), then its
     // dot products and scores
     int64_t gs[WEIGHT_BLOCK];
@@ -1432,8 +1537,8 @@ void scan_index(const Call& c, const IndexTask& ix, const float* q, int64_t grou
         s.b_buf[(gs[i] - g0) * G + h] = s.wc[i * G + h] - s.offset[h];
       }
     for (int64_t g = g0; g < g1; ++g) {
-      if (g + PREFETCH_GROUPS < groups) prefetch_group(ix, qb, R, dq, g + PREFETCH_GROUPS);
-      if (s.pending.next < s.pending.n) issue_pending(c, s.pending, groups - g);
+      if (g + PREFETCH_GROUPS < g_hi) prefetch_group(ix, qb, R, dq, g + PREFETCH_GROUPS);
+      if (s.pending.next < s.pending.n) issue_pending(c, s.pending, g_hi - g);
       const int32_t* acc;
       if (g % SAMPLE_EVERY == 0) {
         acc = &s.sample_acc[g / SAMPLE_EVERY * G * GROUP];
@@ -1441,7 +1546,7 @@ void scan_index(const Call& c, const IndexTask& ix, const float* q, int64_t grou
         scan_heads(G, qb, g * ix.group_stride, R, &s.w8[(g - g0) * G * K], K, s.acc.data());
         acc = s.acc.data();
       }
-      group_scores(G, acc, &s.a_buf[(g - g0) * G], &s.b_buf[(g - g0) * G], m + g * GROUP, &s.score[g * GROUP]);
+      group_scores(G, acc, &s.a_buf[(g - g0) * G], &s.b_buf[(g - g0) * G], m + g * GROUP, score + g * GROUP);
     }
   }
   clock.mark(SCAN_MAIN);
@@ -1475,37 +1580,51 @@ void begin_task(const Call& c, int64_t task, Slot& sl) {
   }
 }
 
-// the positions the exact stage rescores, ascending: the scan's shortlist and the candidates the index does not
-// cover, or every candidate without an index
-void shortlist_task(const Call& c, Slot& sl, Scratch& s, Clock& clock) {
-  const int64_t b = sl.task / c.kv_heads, head = sl.task % c.kv_heads, end = c.end, seq = c.rows[b];
-  const uint8_t* mask = c.mask + b * end;
+// the part of a task's candidates its index covers: groups [0, groups) from position first (none without an index)
+struct TaskIndex {
+  int64_t first = 0, groups = 0;
+  IndexTask ix{};
+  const uint8_t* m = nullptr;  // the mask from first on
+};
+
+TaskIndex task_index(const Call& c, int64_t task) {
+  const int64_t b = task / c.kv_heads, head = task % c.kv_heads, end = c.end, seq = c.rows[b];
+  TaskIndex ti;
+  ti.first = c.index ? c.group_first[seq] : end;  // the groups lying wholly below end:
+  ti.groups = c.index ? std::min(c.n_groups[seq], end > ti.first ? (end - ti.first) / GROUP : 0) : 0;
+  if (ti.groups > 0) {
+    const int64_t* x = c.index;
+    ti.ix = IndexTask{reinterpret_cast<const uint8_t*>(x[CODES_BASE] + seq * x[CODES_SEQ_STRIDE] +
+                                                       head * x[CODES_HEAD_STRIDE]),
+                      x[CODES_QUAD_STRIDE], x[CODES_GROUP_STRIDE],
+                      reinterpret_cast<const uint16_t*>(x[PARAMS_BASE] + seq * x[PARAMS_SEQ_STRIDE] +
+                                                        head * x[PARAMS_HEAD_STRIDE])};
+    ti.m = c.mask + b * end + ti.first;
+  }
+  return ti;
+}
+
+// the positions the exact stage rescores, ascending, into sl.positions: the `shortlist` best of the scan's scores
+// (score[i]: position first + i) and the candidates the index does not cover, or every candidate without an index
+void collect_positions(const Call& c, Slot& sl, const TaskIndex& ti, const float* score, Scratch& s, Clock& clock) {
+  const int64_t end = c.end;
+  const uint8_t* mask = c.mask + sl.task / c.kv_heads * end;
   std::vector<int64_t>& positions = sl.positions;
   positions.clear();
-  const int64_t first = c.index ? c.group_first[seq] : end;  // the groups lying wholly below end:
-  const int64_t groups = c.index ? std::min(c.n_groups[seq], end > first ? (end - first) / GROUP : 0) : 0;
-  const int64_t covered = groups * GROUP, covered_end = first + covered;
-  if (groups > 0) {
-    for (int64_t p = 0; p < std::min(first, end); ++p)
+  if (ti.groups > 0) {
+    const int64_t covered = ti.groups * GROUP, covered_end = ti.first + covered;
+    for (int64_t p = 0; p < std::min(ti.first, end); ++p)
       if (mask[p]) positions.push_back(p);
-    const uint8_t* m = mask + first;
-    const int64_t* x = c.index;
-    const IndexTask ix{reinterpret_cast<const uint8_t*>(x[CODES_BASE] + seq * x[CODES_SEQ_STRIDE] +
-                                                        head * x[CODES_HEAD_STRIDE]),
-                       x[CODES_QUAD_STRIDE], x[CODES_GROUP_STRIDE],
-                       reinterpret_cast<const uint16_t*>(x[PARAMS_BASE] + seq * x[PARAMS_SEQ_STRIDE] +
-                                                         head * x[PARAMS_HEAD_STRIDE])};
-    scan_index(c, ix, sl.q.data(), groups, m, s, clock);
     int64_t usable = 0;  // mask bytes are 0 or 1: each 8-byte word's bit count is its count of selectable positions
     int64_t i = 0;
     for (; i + 8 <= covered; i += 8) {
       uint64_t word;
-      std::memcpy(&word, m + i, 8);
+      std::memcpy(&word, ti.m + i, 8);
       usable += __builtin_popcountll(word);
     }
-    for (; i < covered; ++i) usable += m[i] != 0;
-    top_m(s.score.data(), covered, std::min(c.shortlist, usable), s, s.chosen);  // ascending
-    for (int64_t i : s.chosen) positions.push_back(first + i);
+    for (; i < covered; ++i) usable += ti.m[i] != 0;
+    top_m(score, covered, std::min(c.shortlist, usable), s, s.chosen);  // ascending
+    for (int64_t i : s.chosen) positions.push_back(ti.first + i);
     for (int64_t p = covered_end; p < end; ++p)
       if (mask[p]) positions.push_back(p);
     clock.mark(SHORTLIST);
@@ -1515,51 +1634,64 @@ void shortlist_task(const Call& c, Slot& sl, Scratch& s, Clock& clock) {
   }
 }
 
-// exact stage: float32 logits of the slot's positions, softmax per head, the budget best, then the gather
-void finish_task(const Call& c, const Slot& sl, Scratch& s, Clock& clock) {
-  const int64_t G = c.group, task = sl.task;
-  const char* const* keys = sl.key_seg.data();
-  const float* q = sl.q.data();
-  const std::vector<int64_t>& positions = sl.positions;
-  // logits[h * n + r], the rows read in position order, the scattered ones requested ahead (those a scan requested
-  // already come from cache)
-  const int64_t n = static_cast<int64_t>(positions.size());
+// scan and shortlist of one task on one worker
+void shortlist_task(const Call& c, Slot& sl, Scratch& s, Clock& clock) {
+  const TaskIndex ti = task_index(c, sl.task);
+  if (ti.groups > 0) {
+    s.score.resize(ti.groups * GROUP);
+    scan_index(c, ti.ix, sl.q.data(), ti.groups, ti.m, s, clock, 0, ti.groups, s.score.data());
+  }
+  collect_positions(c, sl, ti, s.score.data(), s, clock);
+}
+
+// float32 logits[h * n + r] of rows [r_lo, r_hi) of `positions` (n of them; keys: the task's key chunks), read in
+// position order, the scattered ones requested ahead (those a scan requested already come from cache)
+void exact_logits(const Call& c, const std::vector<int64_t>& positions, const char* const* keys, const float* q,
+                  int64_t r_lo, int64_t r_hi, float* logits, Scratch& s) {
+  const int64_t G = c.group, n = static_cast<int64_t>(positions.size());
   s.row.assign(c.dim_pad, 0.0f);
-  s.logits.resize(G * n);
   const int64_t row_bytes = c.dim * (c.key_type == F32 ? 4 : 2);
   const int64_t block = 16 % G == 0 && G <= 4 ? 16 / G : 0;  // rows per SIMD block (0: row by row)
   s.row_ptr.resize(n);
   const char** ptr = s.row_ptr.data();
   const int64_t* pos = positions.data();
   int64_t hint = 0;
-  for (int64_t r = 0; r < n; ++r) ptr[r] = static_cast<const char*>(row_at(c, keys, pos[r], hint));
-  if (n > 0) prefetch_row(ptr[0], row_bytes, true);
-  prefetch_rows<false>(ptr, pos, n, 0, EXACT_FAR, row_bytes);
-  prefetch_rows<true>(ptr, pos, n, 0, EXACT_NEAR, row_bytes);
-  for (int64_t r = 0; r < n;) {
-    if (block && r + block <= n) {
-      prefetch_rows<false>(ptr, pos, n, r + EXACT_FAR, block, row_bytes);
-      prefetch_rows<true>(ptr, pos, n, r + EXACT_NEAR, block, row_bytes);
+  for (int64_t r = r_lo; r < r_hi; ++r) ptr[r] = static_cast<const char*>(row_at(c, keys, pos[r], hint));
+  if (r_lo < r_hi) prefetch_row(ptr[r_lo], row_bytes, true);
+  prefetch_rows<false>(ptr, pos, r_hi, r_lo, EXACT_FAR, row_bytes);
+  prefetch_rows<true>(ptr, pos, r_hi, r_lo, EXACT_NEAR, row_bytes);
+  for (int64_t r = r_lo; r < r_hi;) {
+    if (block && r + block <= r_hi) {
+      prefetch_rows<false>(ptr, pos, r_hi, r + EXACT_FAR, block, row_bytes);
+      prefetch_rows<true>(ptr, pos, r_hi, r + EXACT_NEAR, block, row_bytes);
       const void* rows[16];  // a local copy: with the array itself, gcc reloads the pointers in the inner loop
       for (int64_t i = 0; i < block; ++i) rows[i] = ptr[r + i];
-      if (simd_block_logits(rows, c.key_type, q, G, c.dim, c.dim_pad, c.scaling, &s.logits[r], n)) {
+      if (simd_block_logits(rows, c.key_type, q, G, c.dim, c.dim_pad, c.scaling, &logits[r], n)) {
         r += block;
         continue;
       }
     }
-    prefetch_rows<false>(ptr, pos, n, r + EXACT_FAR, 1, row_bytes);
-    prefetch_rows<true>(ptr, pos, n, r + EXACT_NEAR, 1, row_bytes);
+    prefetch_rows<false>(ptr, pos, r_hi, r + EXACT_FAR, 1, row_bytes);
+    prefetch_rows<true>(ptr, pos, r_hi, r + EXACT_NEAR, 1, row_bytes);
     const void* row = ptr[r];
-    if (!simd_logits(row, c.key_type, q, G, c.dim, c.dim_pad, c.scaling, &s.logits[r], n)) {
+    if (!simd_logits(row, c.key_type, q, G, c.dim, c.dim_pad, c.scaling, &logits[r], n)) {
       to_float(row, c.key_type, c.dim, s.row.data());
-      dots_dispatch(G, q, s.row.data(), c.dim_pad, c.scaling, &s.logits[r], n);
+      dots_dispatch(G, q, s.row.data(), c.dim_pad, c.scaling, &logits[r], n);
     }
     ++r;
   }
-  clock.mark(EXACT_READS);
+}
+
+// from the exact logits (G x n, overwritten): softmax per head, the budget best, the outputs, then the gather
+void pick_and_gather(const Call& c, const Slot& sl, float* logits, Scratch& s, Clock& clock) {
+  const int64_t G = c.group, task = sl.task;
+  const char* const* keys = sl.key_seg.data();
+  const std::vector<int64_t>& positions = sl.positions;
+  const int64_t n = static_cast<int64_t>(positions.size());
+  const int64_t row_bytes = c.dim * (c.key_type == F32 ? 4 : 2);
   s.score.assign(n, 0.0f);
   for (int64_t h = 0; h < G; ++h) {
-    float* l = &s.logits[h * n];
+    float* l = &logits[h * n];
     const float peak = max_lanes(l, n);
     for (int64_t r = 0; r < n; ++r) l[r] -= peak;
     exp_nonpositive(l, n);
@@ -1595,6 +1727,15 @@ void finish_task(const Call& c, const Slot& sl, Scratch& s, Clock& clock) {
   }
 }
 
+// exact stage of one task on one worker: its logits, then the pick and the gather
+void finish_task(const Call& c, const Slot& sl, Scratch& s, Clock& clock) {
+  const int64_t n = static_cast<int64_t>(sl.positions.size());
+  s.logits.resize(c.group * n);
+  exact_logits(c, sl.positions, sl.key_seg.data(), sl.q.data(), 0, n, s.logits.data(), s);
+  clock.mark(EXACT_READS);
+  pick_and_gather(c, sl, s.logits.data(), s, clock);
+}
+
 // The tasks w, w + workers, ... of one worker, pipelined: the scan of task t requests the rows of task t - 1's
 // shortlist (spread over its groups, into L2), then task t - 1's exact stage reads them from cache. A task's
 // selection depends on that task alone.
@@ -1621,6 +1762,106 @@ void run_tasks(const Call& c, int64_t w, int64_t workers, Scratch& s) {
   if (waiting) {
     Clock finish(c.profile ? c.profile + waiting->task * PHASES : nullptr);
     finish_task(c, *waiting, s, finish);
+  }
+}
+
+// --- one task split over several workers -------------------------------------------------------------------
+// When a call has fewer (sequence, KV head) tasks than threads (batch 1 with few KV heads: MQA, a tensor-parallel
+// shard), each task is split into `parts` that run at once: part p scans groups [groups p / parts, groups (p + 1) /
+// parts) into one score array, part 0 takes the shortlist, part p computes the exact logits of rows [n p / parts,
+// n (p + 1) / parts) into one logits array, part 0 takes the budget and gathers. Every number is computed as on one
+// worker (each part scans the sampled groups itself; the softmax sums and top-k run on part 0), so the selection
+// does not depend on the split.
+
+inline void cpu_pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#endif
+}
+
+// A barrier for the parts of one task (they run on their own threads, started for this call): spins briefly, then
+// yields. It also returns once `failed` is set, so a part that failed never leaves the others waiting.
+class PartBarrier {
+ public:
+  PartBarrier(int64_t parties, const std::atomic<bool>& failed) : parties_(parties), failed_(failed) {}
+  void wait() {
+    const int64_t gen = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == parties_) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_acq_rel);
+      return;
+    }
+    for (int64_t spins = 0; generation_.load(std::memory_order_acquire) == gen; ++spins) {
+      if (failed_.load(std::memory_order_acquire)) return;
+      if (spins < 4096) cpu_pause();
+      else std::this_thread::yield();
+    }
+  }
+
+ private:
+  const int64_t parties_;
+  const std::atomic<bool>& failed_;
+  std::atomic<int64_t> arrived_{0}, generation_{0};
+};
+
+struct SplitTask {  // what the parts of one task share; the buffers are part 0's scratch
+  explicit SplitTask(int64_t parts) : barrier(parts, failed) {}
+  std::atomic<bool> failed{false};
+  PartBarrier barrier;
+  TaskIndex ti;
+  const Slot* slot = nullptr;  // part 0's: the positions every part rescores
+  float* score = nullptr;
+  float* logits = nullptr;
+};
+
+void run_part(const Call& c, int64_t task, int64_t part, int64_t parts, SplitTask& st, Scratch& s) {
+  Slot& sl = s.slots[0];
+  s.pending = Pending{};  // no rows to request during the scan: each part has one task
+  Clock clock(c.profile ? c.profile + task * PHASES : nullptr);
+  auto step = [&](auto&& work) {  // every part passes every barrier, failed or not
+    if (!st.failed.load(std::memory_order_acquire)) {
+      try {
+        work();
+      } catch (...) {
+        st.failed.store(true, std::memory_order_release);
+      }
+    }
+    st.barrier.wait();
+    clock.skip();
+  };
+  step([&] {
+    begin_task(c, task, sl);
+    if (part == 0) {
+      st.ti = task_index(c, task);
+      s.score.resize(st.ti.groups * GROUP);
+      st.score = s.score.data();
+      st.slot = &sl;
+    }
+  });
+  step([&] {
+    const int64_t groups = st.ti.groups;
+    if (groups > 0)
+      scan_index(c, st.ti.ix, sl.q.data(), groups, st.ti.m, s, clock, groups * part / parts,
+                 groups * (part + 1) / parts, st.score);
+  });
+  step([&] {
+    if (part != 0) return;
+    collect_positions(c, sl, st.ti, st.score, s, clock);
+    s.logits.resize(c.group * sl.positions.size());
+    st.logits = s.logits.data();
+  });
+  step([&] {
+    const int64_t n = static_cast<int64_t>(st.slot->positions.size());
+    exact_logits(c, st.slot->positions, sl.key_seg.data(), sl.q.data(), n * part / parts, n * (part + 1) / parts,
+                 st.logits, s);
+    clock.mark(EXACT_READS);
+  });
+  if (part == 0 && !st.failed.load(std::memory_order_acquire)) {
+    try {
+      pick_and_gather(c, sl, st.logits, s, clock);
+    } catch (...) {
+      st.failed.store(true, std::memory_order_release);
+    }
   }
 }
 
@@ -1717,8 +1958,10 @@ void dc_quantize(const void* keys, int key_type, int64_t count, int64_t dim, int
   for (auto& t : pool_threads) t.join();
 }
 
-// Free the scratch buffers kept between calls (idempotent; calls running meanwhile keep theirs).
+// Free the scratch buffers kept between calls and stop the threads kept between calls (idempotent; calls running
+// meanwhile keep their scratch; the threads stop when the call using them has returned).
 void dc_release_scratch() {
+  kept_threads().stop();
   std::lock_guard<std::mutex> guard(pool_lock);
   pool.clear();
 }
@@ -1736,29 +1979,51 @@ int dc_select(int64_t batch, int64_t kv_heads, int64_t group, int64_t dim, int k
          n_segs, segs, index, group_first, n_groups, dim_q, quads, shortlist, budget, out_indices, out_valid,
          static_cast<char*>(out_keys), static_cast<char*>(out_values), out_slots, profile};
   const int64_t tasks = batch * kv_heads;
-  // a thread is started per call: only for work that outweighs starting it (the result never depends on it)
+  // a thread is started per call: only for work that outweighs starting it (the result never depends on it); with
+  // more threads than tasks, each task is split into parts of at least that much work
   const int64_t worth = std::max<int64_t>(1, tasks * end / MIN_POSITIONS_PER_THREAD);
-  const int workers = static_cast<int>(std::max<int64_t>(1, std::min({static_cast<int64_t>(threads), tasks, worth})));
+  const int64_t parts =
+      tasks > 0 && threads > tasks
+          ? std::max<int64_t>(1, std::min<int64_t>(threads / tasks, (end + MIN_POSITIONS_PER_THREAD / 2) / MIN_POSITIONS_PER_THREAD))
+          : 1;
+  const int workers = parts > 1 ? static_cast<int>(tasks * parts)
+                                : static_cast<int>(std::max<int64_t>(1, std::min({static_cast<int64_t>(threads), tasks, worth})));
   std::vector<int> failed(workers, 0);
+  std::vector<std::unique_ptr<SplitTask>> split;
+  try {
+    for (int64_t t = 0; parts > 1 && t < tasks; ++t) split.push_back(std::make_unique<SplitTask>(parts));
+  } catch (...) {
+    return -1;
+  }
   auto work = [&](int w) {
     try {
       std::unique_ptr<Scratch> s = take_scratch();
-      run_tasks(c, w, workers, *s);
+      if (parts > 1) {
+        SplitTask& st = *split[w / parts];
+        run_part(c, w / parts, w % parts, parts, st, *s);
+        if (st.failed.load()) failed[w] = 1;
+      } else {
+        run_tasks(c, w, workers, *s);
+      }
       give_scratch(std::move(s));
     } catch (...) {
       failed[w] = 1;
+      if (parts > 1) split[w / parts]->failed.store(true);
     }
   };
   if (workers == 1) {
     work(0);
-  } else {
+  } else if (!kept_threads().try_run(workers, work)) {  // busy or too many: threads of this call's own
     std::vector<std::thread> pool;
+    bool started = true;
     try {
       for (int w = 1; w < workers; ++w) pool.emplace_back(work, w);
     } catch (...) {
+      started = false;  // a split task's parts wait for each other: release them, and run none here
       failed[0] = 1;
+      for (auto& st : split) st->failed.store(true);
     }
-    work(0);
+    if (started || parts == 1) work(0);
     for (auto& t : pool) t.join();
   }
   if (profile) {
