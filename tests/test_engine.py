@@ -155,14 +155,25 @@ def test_a_task_split_over_threads_selects_and_gathers_what_one_thread_does(vari
 
 def _select_in_child(queue, args):  # a fork()ed child's call (module level: multiprocessing pickles it by name)
     library = native.library(native.active_variant())
-    queue.put([t.tolist() for t in engine._native_select(library, *args)])
+    got = engine._native_select(library, *args)
+    queue.put(([t.tolist() for t in got], library.dc_last_threads()))
+
+
+OPENMP_TEAM, KEPT_THREADS, STARTED_THREADS = 1, 2, 3  # dc_last_threads()
+
+
+def _openmp_loaded() -> bool:
+    """Whether the process holds GNU libgomp (torch's OpenMP runtime in its Linux wheels), which the engine runs
+    its workers on."""
+    with open("/proc/self/maps") as maps:
+        return "libgomp" in maps.read()
 
 
 def test_threads_kept_between_calls_serve_concurrent_calls_a_forked_child_and_a_release():
-    """The engine keeps its worker threads between calls: calls from several Python threads at once (one gets the
-    kept threads, the others start their own), a fork()ed child (which has none of the parent's threads: a call
-    there must not wait for them), and calls after `dc_release_scratch` stopped them all select what one thread
-    selects."""
+    """A call's workers run on torch's OpenMP team when the process has one (its threads spin after torch's own
+    operations, on the cores the engine needs), else on threads the engine keeps between calls. Calls from several
+    Python threads at once, a fork()ed child (which has none of the parent's threads: a call there must not wait for
+    them), and calls after `dc_release_scratch` stopped the kept threads all select what one thread selects."""
     import concurrent.futures
     import multiprocessing
 
@@ -170,8 +181,11 @@ def test_threads_kept_between_calls_serve_concurrent_calls_a_forked_child_and_a_
         pytest.skip("no native engine here (no compiler): the pure-torch reference keeps no threads")
     library = native.library(native.active_variant())
     query, mask, keys, index = _problem(41, 1, 1, 4, 32, 2 * 16384 + 500, torch.bfloat16)
-    args = (query, mask, keys, 16, 0.2, index, 256, 2, 5)  # one task in two parts: the caller and a kept thread
+    args = (query, mask, keys, 16, 0.2, index, 256, 2, 5)  # one task in two parts, on two threads at once
     expected = engine._native_select(library, *args[:-2], 1, 5)
+    got = engine._native_select(library, *args)
+    assert library.dc_last_threads() == (OPENMP_TEAM if _openmp_loaded() else KEPT_THREADS)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda _: engine._native_select(library, *args), range(12)))
     assert all(torch.equal(r[0], expected[0]) and torch.equal(r[1], expected[1]) for r in results)
@@ -180,15 +194,51 @@ def test_threads_kept_between_calls_serve_concurrent_calls_a_forked_child_and_a_
     child = context.Process(target=_select_in_child, args=(queue, args))
     child.start()
     try:
-        got = queue.get(timeout=120)  # a child waiting for threads it does not have never answers
+        got, used = queue.get(timeout=120)  # a child waiting for threads it does not have never answers
         child.join(timeout=120)
     finally:
         child.kill()
     assert child.exitcode == 0 and got == [t.tolist() for t in expected]
+    assert used == KEPT_THREADS  # libgomp's threads are the parent's
     library.dc_release_scratch()
     library.dc_release_scratch()  # idempotent
     again = engine._native_select(library, *args)
     assert torch.equal(again[0], expected[0]) and torch.equal(again[1], expected[1])
+
+
+@pytest.mark.parametrize("env", [{"DUAL_CACHE_ENGINE_OWN_THREADS": "1"}, {"OMP_THREAD_LIMIT": "1"}])
+def test_without_an_openmp_team_the_kept_threads_select_the_same(env):
+    """Where the engine does not use the OpenMP team (switched off, or a team that comes short: OMP_THREAD_LIMIT=1,
+    as for a call made inside an OpenMP region), its own threads run the workers, split tasks included, with the
+    same selections (in a fresh process: the runtime is looked up once per process)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if engine.native.library() is None:
+        pytest.skip("no native engine here (no compiler)")
+    script = (
+        "import json, torch\n"
+        "from tests.test_engine import _problem\n"
+        "from dual_cache import engine\n"
+        "from dual_cache.engine import native\n"
+        "library = native.library(native.active_variant())\n"
+        "query, mask, keys, index = _problem(43, 1, 2, 4, 32, 4 * 16384 + 500, torch.bfloat16)\n"
+        "one = engine._native_select(library, query, mask, keys, 16, 0.2, index, 256, 1, 5)\n"
+        "out = []\n"
+        "for threads in (2, 4):\n"
+        "    got = engine._native_select(library, query, mask, keys, 16, 0.2, index, 256, threads, 5)\n"
+        "    out.append([torch.equal(got[0], one[0]) and torch.equal(got[1], one[1]), library.dc_last_threads()])\n"
+        "print(json.dumps(out))\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", script], cwd=root, env={**os.environ, **env}, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    # 4 threads: 4 workers (2 tasks in 2 parts), kept when the CPU has 3 cores besides the caller's, else started
+    beyond = KEPT_THREADS if (os.cpu_count() or 1) >= 3 else STARTED_THREADS
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == [[True, KEPT_THREADS], [True, beyond]]
 
 
 def test_the_vnni_scan_arithmetic_by_emulation():

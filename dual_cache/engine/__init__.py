@@ -141,7 +141,10 @@ def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor]
         index: the store's 2-bit key index, or None.
         shortlist: positions the scan keeps per (sequence, KV head).
         quads: channel quads (4 channels each) the scan reads, 1 .. `padded_dim(D) / 4`; None: all of them.
-        threads: host threads (default `torch.get_num_threads()`); the result does not depend on it.
+        threads: host threads (default `torch.get_num_threads()`); the result does not depend on it. The
+            (sequence, KV head) tasks are divided among them, and with more threads than tasks each task's scan
+            and exact stage are split over several (docs/host-selection-engine.md, "Threads"); the threads are kept
+            between calls (`native.library().dc_release_scratch()` stops them and frees the scratch memory).
         values: the value chunks matching `keys` (same shapes and dtype), to gather with `out` (with `Chunks`: None,
             the prepared values are used).
         out: `(keys_out, values_out)`, each `(b, H_kv, budget, D)` in the keys' dtype, contiguous or the first

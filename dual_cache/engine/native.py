@@ -103,6 +103,7 @@ def _load(variant: str) -> ctypes.CDLL:
         library.dc_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         library.dc_release_scratch.restype = None
+        library.dc_last_threads.restype = ctypes.c_int
         _loaded[variant] = library
     return _loaded[variant]
 

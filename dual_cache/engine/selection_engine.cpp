@@ -20,10 +20,14 @@
 #include <functional>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <dlfcn.h>
+#include <link.h>
 #include <memory>
 #include <mutex>
 #include <pthread.h>
+#include <string>
 #include <thread>
 #include <time.h>
 #include <vector>
@@ -262,17 +266,91 @@ class KeptThreads {
 
 KeptThreads* kept_threads_now = nullptr;  // never deleted: its threads may be waiting in it until the process ends
 std::once_flag kept_threads_once;
+std::atomic<bool> forked_child{false};
 
-void forget_kept_threads_in_child() {  // after fork(): the parent's threads (and the locks they held) are not here
+void forget_threads_in_child() {  // after fork(): the parent's threads (and the locks they held) are not here
   kept_threads_now = new KeptThreads();
+  forked_child.store(true);
 }
 
 KeptThreads& kept_threads() {
   std::call_once(kept_threads_once, [] {
     kept_threads_now = new KeptThreads();
-    pthread_atfork(nullptr, nullptr, forget_kept_threads_in_child);
+    pthread_atfork(nullptr, nullptr, forget_threads_in_child);
   });
   return *kept_threads_now;
+}
+
+// --- the process's OpenMP threads (torch's) ---------------------------------------------------------------
+// torch runs its CPU operations on an OpenMP team (GNU libgomp in its Linux wheels) whose threads keep spinning for
+// a while after each operation, on the very cores this engine's own threads then need: right after torch work, a
+// call's threads barely ran in parallel. So a call first asks the OpenMP runtime already loaded in the process for a
+// team (GOMP_parallel, libgomp's entry for `#pragma omp parallel`, found by name among the loaded libraries; the
+// engine is not linked to any OpenMP runtime): the spinning threads take the work at once. Without such a runtime,
+// in a fork()ed child (libgomp's threads are the parent's), or when the team comes short (a call from inside an
+// OpenMP region gets one thread), the kept threads run it.
+struct OpenMP {
+  void (*parallel)(void (*)(void*), void*, unsigned, unsigned) = nullptr;
+  int (*thread_num)() = nullptr;
+  int (*num_threads)() = nullptr;
+};
+
+int find_libgomp(dl_phdr_info* info, size_t, void* out) {
+  if (info->dlpi_name && std::strstr(info->dlpi_name, "libgomp")) {
+    *static_cast<std::string*>(out) = info->dlpi_name;
+    return 1;
+  }
+  return 0;
+}
+
+const OpenMP* loaded_openmp() {
+  static OpenMP omp;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    if (std::getenv("DUAL_CACHE_ENGINE_OWN_THREADS")) return;  // a switch to measure or rule it out
+    std::string path;
+    dl_iterate_phdr(find_libgomp, &path);
+    if (path.empty()) return;
+    void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);  // already loaded: no new library is brought in
+    if (!handle) return;
+    OpenMP found;
+    found.parallel = reinterpret_cast<decltype(found.parallel)>(dlsym(handle, "GOMP_parallel"));
+    found.thread_num = reinterpret_cast<decltype(found.thread_num)>(dlsym(handle, "omp_get_thread_num"));
+    found.num_threads = reinterpret_cast<decltype(found.num_threads)>(dlsym(handle, "omp_get_num_threads"));
+    if (found.parallel && found.thread_num && found.num_threads) omp = found;
+  });
+  kept_threads();  // registers the fork handler
+  return omp.parallel && !forked_child.load() ? &omp : nullptr;
+}
+
+// how the calling thread's last dc_select ran its workers (dc_last_threads)
+enum ThreadsUsed { ONE_THREAD = 0, OPENMP_TEAM = 1, KEPT_THREADS = 2, STARTED_THREADS = 3 };
+thread_local int last_threads = ONE_THREAD;
+
+struct OpenMPJob {
+  const OpenMP* omp;
+  const std::function<void(int)>* job;
+  int n;
+  std::atomic<bool> short_team{false};
+};
+
+void openmp_body(void* data) {  // every team member: worker omp_get_thread_num(), when the team has all n
+  OpenMPJob& j = *static_cast<OpenMPJob*>(data);
+  const int id = j.omp->thread_num(), team = j.omp->num_threads();
+  if (team < j.n) {  // every member sees the same team size: none runs a worker (split parts wait for each other)
+    j.short_team.store(true);
+    return;
+  }
+  if (id < j.n) (*j.job)(id);
+}
+
+// job(w) for w = 0 .. n - 1 at once on an OpenMP team; false (nothing run) without one of n threads
+bool try_run_openmp(int n, const std::function<void(int)>& job) {
+  const OpenMP* omp = loaded_openmp();
+  if (!omp) return false;
+  OpenMPJob j{omp, &job, n};
+  omp->parallel(openmp_body, &j, static_cast<unsigned>(n), 0);
+  return !j.short_team.load();
 }
 
 // --- exact logits -----------------------------------------------------------------------------------------
@@ -1624,7 +1702,7 @@ void collect_positions(const Call& c, Slot& sl, const TaskIndex& ti, const float
     }
     for (; i < covered; ++i) usable += ti.m[i] != 0;
     top_m(score, covered, std::min(c.shortlist, usable), s, s.chosen);  // ascending
-    for (int64_t i : s.chosen) positions.push_back(ti.first + i);
+    for (int64_t k : s.chosen) positions.push_back(ti.first + k);
     for (int64_t p = covered_end; p < end; ++p)
       if (mask[p]) positions.push_back(p);
     clock.mark(SHORTLIST);
@@ -1958,6 +2036,10 @@ void dc_quantize(const void* keys, int key_type, int64_t count, int64_t dim, int
   for (auto& t : pool_threads) t.join();
 }
 
+// How the calling thread's last dc_select ran its workers: 0 on the calling thread alone, 1 on the process's OpenMP
+// team, 2 on the threads kept between calls, 3 on threads started for it.
+int dc_last_threads() { return last_threads; }
+
 // Free the scratch buffers kept between calls and stop the threads kept between calls (idempotent; calls running
 // meanwhile keep their scratch; the threads stop when the call using them has returned).
 void dc_release_scratch() {
@@ -2012,18 +2094,24 @@ int dc_select(int64_t batch, int64_t kv_heads, int64_t group, int64_t dim, int k
     }
   };
   if (workers == 1) {
+    last_threads = ONE_THREAD;
     work(0);
-  } else if (!kept_threads().try_run(workers, work)) {  // busy or too many: threads of this call's own
+  } else if (try_run_openmp(workers, work)) {
+    last_threads = OPENMP_TEAM;
+  } else if (kept_threads().try_run(workers, work)) {
+    last_threads = KEPT_THREADS;
+  } else {  // the kept threads busy (a call from another thread) or too few: threads of this call's own
+    last_threads = STARTED_THREADS;
     std::vector<std::thread> pool;
-    bool started = true;
+    bool all_started = true;
     try {
       for (int w = 1; w < workers; ++w) pool.emplace_back(work, w);
     } catch (...) {
-      started = false;  // a split task's parts wait for each other: release them, and run none here
+      all_started = false;  // a split task's parts wait for each other: release them, and run none here
       failed[0] = 1;
       for (auto& st : split) st->failed.store(true);
     }
-    if (started || parts == 1) work(0);
+    if (all_started || parts == 1) work(0);
     for (auto& t : pool) t.join();
   }
   if (profile) {
