@@ -22,8 +22,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#if defined(__linux__)
 #include <dlfcn.h>
 #include <link.h>
+#endif
 #include <memory>
 #include <mutex>
 #include <pthread.h>
@@ -295,6 +297,7 @@ struct OpenMP {
   int (*num_threads)() = nullptr;
 };
 
+#if defined(__linux__)
 int find_libgomp(dl_phdr_info* info, size_t, void* out) {
   if (info->dlpi_name && std::strstr(info->dlpi_name, "libgomp")) {
     *static_cast<std::string*>(out) = info->dlpi_name;
@@ -302,12 +305,14 @@ int find_libgomp(dl_phdr_info* info, size_t, void* out) {
   }
   return 0;
 }
+#endif
 
 const OpenMP* loaded_openmp() {
   static OpenMP omp;
   static std::once_flag once;
   std::call_once(once, [] {
     if (std::getenv("DUAL_CACHE_ENGINE_OWN_THREADS")) return;  // a switch to measure or rule it out
+#if defined(__linux__)
     std::string path;
     dl_iterate_phdr(find_libgomp, &path);
     if (path.empty()) return;
@@ -318,6 +323,7 @@ const OpenMP* loaded_openmp() {
     found.thread_num = reinterpret_cast<decltype(found.thread_num)>(dlsym(handle, "omp_get_thread_num"));
     found.num_threads = reinterpret_cast<decltype(found.num_threads)>(dlsym(handle, "omp_get_num_threads"));
     if (found.parallel && found.thread_num && found.num_threads) omp = found;
+#endif  // elsewhere: no lookup (the kept threads run the workers)
   });
   kept_threads();  // registers the fork handler
   return omp.parallel && !forked_child.load() ? &omp : nullptr;
