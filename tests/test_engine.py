@@ -153,10 +153,13 @@ def test_a_task_split_over_threads_selects_and_gathers_what_one_thread_does(vari
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
-def _select_in_child(queue, args):  # a fork()ed child's call (module level: multiprocessing pickles it by name)
-    library = native.library(native.active_variant())
-    got = engine._native_select(library, *args)
-    queue.put(([t.tolist() for t in got], library.dc_last_threads()))
+def _select_in_child(queue, args):  # a fork()ed child's calls (module level: multiprocessing pickles it by name)
+    answers = []
+    for variant in VARIANTS:  # each variant a library of its own, some never called on threads before the fork
+        library = native.library(variant)
+        got = engine._native_select(library, *args)
+        answers.append(([t.tolist() for t in got], library.dc_last_threads()))
+    queue.put(answers)
 
 
 OPENMP_TEAM, KEPT_THREADS, STARTED_THREADS = 1, 2, 3  # dc_last_threads()
@@ -192,14 +195,17 @@ def test_threads_kept_between_calls_serve_concurrent_calls_a_forked_child_and_a_
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
     child = context.Process(target=_select_in_child, args=(queue, args))
+    torch.ones(2**22).add_(1)  # torch's OpenMP team busy in the parent just before the fork
     child.start()
     try:
-        got, used = queue.get(timeout=120)  # a child waiting for threads it does not have never answers
+        answers = queue.get(timeout=120)  # a child waiting for threads it does not have never answers
         child.join(timeout=120)
     finally:
         child.kill()
-    assert child.exitcode == 0 and got == [t.tolist() for t in expected]
-    assert used == KEPT_THREADS  # libgomp's threads are the parent's
+    assert child.exitcode == 0 and len(answers) == len(VARIANTS)
+    for got, used in answers:
+        assert got == [t.tolist() for t in expected]
+        assert used == KEPT_THREADS  # libgomp's threads are the parent's
     library.dc_release_scratch()
     library.dc_release_scratch()  # idempotent
     again = engine._native_select(library, *args)

@@ -46,6 +46,29 @@ _loaded: dict[str, ctypes.CDLL] = {}
 _resolved: dict[str, ctypes.CDLL] = {}  # DUAL_CACHE_ENGINE value -> the library it resolved to
 _failure: str | None = None  # why the engine cannot be built or loaded (then the reference runs)
 _warned = False
+_forked_child = False  # this process was fork()ed after this module was imported
+
+
+def _after_fork_in_child() -> None:
+    """In a fork()ed child: torch's OpenMP threads are the parent's (a call on that team would wait for them
+    forever), so every engine library, loaded now or later, runs its workers on its own threads; and no lock held
+    by another thread of the parent is kept."""
+    global _forked_child, _lock
+    _forked_child = True
+    _lock = threading.Lock()
+    for library in _loaded.values():
+        library.dc_note_fork()
+
+
+def _multiprocessing_child() -> bool:
+    """Whether this process was started by `multiprocessing` (forked, perhaps before this module was imported, from
+    a parent that used OpenMP; spawned children are treated alike)."""
+    import multiprocessing
+
+    return multiprocessing.parent_process() is not None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _compiler() -> str | None:
@@ -104,6 +127,9 @@ def _load(variant: str) -> ctypes.CDLL:
                                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         library.dc_release_scratch.restype = None
         library.dc_last_threads.restype = ctypes.c_int
+        library.dc_note_fork.restype = None
+        if _forked_child or _multiprocessing_child():  # the OpenMP threads here may be a parent's (engine "Threads")
+            library.dc_note_fork()
         _loaded[variant] = library
     return _loaded[variant]
 

@@ -266,22 +266,26 @@ class KeptThreads {
   std::vector<std::thread> threads_;
 };
 
-KeptThreads* kept_threads_now = nullptr;  // never deleted: its threads may be waiting in it until the process ends
-std::once_flag kept_threads_once;
+// never deleted: its threads may be waiting in it until the process ends
+KeptThreads* kept_threads_now = new KeptThreads();
+// set in a fork()ed child (by the handler below, or by dc_note_fork when the library is loaded after the fork): the
+// OpenMP runtime's threads are the parent's there, so the kept threads run the workers
 std::atomic<bool> forked_child{false};
 
-void forget_threads_in_child() {  // after fork(): the parent's threads (and the locks they held) are not here
-  kept_threads_now = new KeptThreads();
+KeptThreads& kept_threads() { return *kept_threads_now; }
+
+// fork() handlers, registered when the library is loaded: no other thread may hold the scratch pool's lock while
+// the process forks (the child would wait for it forever), and the child starts with no kept threads
+void before_fork() { pool_lock.lock(); }
+void after_fork_in_parent() { pool_lock.unlock(); }
+void after_fork_in_child() {
+  pool_lock.unlock();
+  kept_threads_now = new KeptThreads();  // the parent's threads (and the locks they held) are not here
   forked_child.store(true);
 }
-
-KeptThreads& kept_threads() {
-  std::call_once(kept_threads_once, [] {
-    kept_threads_now = new KeptThreads();
-    pthread_atfork(nullptr, nullptr, forget_threads_in_child);
-  });
-  return *kept_threads_now;
-}
+struct ForkHandlers {
+  ForkHandlers() { pthread_atfork(before_fork, after_fork_in_parent, after_fork_in_child); }
+} fork_handlers;
 
 // --- the process's OpenMP threads (torch's) ---------------------------------------------------------------
 // torch runs its CPU operations on an OpenMP team (GNU libgomp in its Linux wheels) whose threads keep spinning for
@@ -325,7 +329,6 @@ const OpenMP* loaded_openmp() {
     if (found.parallel && found.thread_num && found.num_threads) omp = found;
 #endif  // elsewhere: no lookup (the kept threads run the workers)
   });
-  kept_threads();  // registers the fork handler
   return omp.parallel && !forked_child.load() ? &omp : nullptr;
 }
 
@@ -2041,6 +2044,10 @@ void dc_quantize(const void* keys, int key_type, int64_t count, int64_t dim, int
   work(0);
   for (auto& t : pool_threads) t.join();
 }
+
+// Say that this process is a fork()ed child whose parent may have used OpenMP before this library was loaded (the
+// Python side calls it in such a child): the kept threads run the workers from then on.
+void dc_note_fork() { forked_child.store(true); }
 
 // How the calling thread's last dc_select ran its workers: 0 on the calling thread alone, 1 on the process's OpenMP
 // team, 2 on the threads kept between calls, 3 on threads started for it.
