@@ -1866,8 +1866,8 @@ inline void cpu_pause() {
 #endif
 }
 
-// A barrier for the parts of one task (they run on their own threads, started for this call): spins briefly, then
-// yields. It also returns once `failed` is set, so a part that failed never leaves the others waiting.
+// A barrier for the parts of one task (each on a thread of its own at once: the OpenMP team's, the kept or the started
+// threads, never fewer threads than parts): spins briefly, then yields. It also returns once `failed` is set, so a part that failed never leaves the others waiting.
 class PartBarrier {
  public:
   PartBarrier(int64_t parties, const std::atomic<bool>& failed) : parties_(parties), failed_(failed) {}
