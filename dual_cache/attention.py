@@ -2,7 +2,8 @@
 
 Full-attention layers of a `DualDecoderCache`: dense attention during prefill with the model's own attention
 function (over the layer's host store, one layer at a time on the device), sparse attention over the device
-segments sink, selection and window ring (which holds the step's new tokens) during decode, read in place. Prefill
+segments sink, resident set and window ring (which holds the step's new tokens) during decode, read in place
+(`DualLayer.begin_attention` / `end_attention` around the kernel). Prefill
 reads the model's own mask (boolean for `sdpa`, additive float for `eager`); decode masks with the cache's own
 per-entry positions and validity.
 """
@@ -65,15 +66,13 @@ def dual_attention(
         return own(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
 
     q_len = query.shape[2]
-    segments, drifted = layer.decode_segments(query, scaling, call.rows, kwargs.get("softcap"))
-    call.drift_repairs += drifted
+    step = layer.begin_attention(query, scaling, call.rows, kwargs.get("softcap"))
     n = layer.get_seq_length()
     query_positions = torch.arange(n - q_len, n, device=query.device)
     out = sparse_decode_attention(
-        query, segments, query_positions, scaling, backend=layer.config.attention_kernel, softcap=kwargs.get("softcap")
+        query, step.segments, query_positions, scaling, backend=layer.config.attention_kernel,
+        softcap=kwargs.get("softcap")
     )
-    layer.release()
-    if layer.selector is not None and layer.selector.prefetched:
-        layer.submit_selection(query[:, :, -1], committed=n - q_len + 1)
+    layer.end_attention(query, step)
     return out.transpose(1, 2).contiguous(), None
 

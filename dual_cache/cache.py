@@ -29,7 +29,7 @@ from .config import DualDecoderConfig
 from .host_admission import host_bytes_needed, plan_request
 from .host_memory import HostMemory, HostMemoryError, available_host_bytes  # noqa: F401  (public re-exports)
 from .layer import DualLayer
-from .layer_types import resolve_layer_types
+from .layer_types import check_attention_model, resolve_layer_types
 from .repair import StepRows
 from .transfer_schedule import TransferSchedule
 from .sequences import SequenceState
@@ -70,6 +70,7 @@ class DualDecoderCache(Cache):
         self.dual_config = dual_config if dual_config is not None else DualDecoderConfig.from_dict(options)
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self.text_config = text_config
+        check_attention_model(text_config)  # before any attribute of attention is read
         check_layer_budgets(self.dual_config, text_config.num_hidden_layers)
         self.shard: TensorShard = whole_model(text_config)  # the KV heads this process holds (`check_model`)
         self.kv_heads = self.shard.kv_heads
@@ -234,10 +235,6 @@ class DualDecoderCache(Cache):
         return DualCall(self.layers, dataclasses.replace(rows, agree=self.shard.any_rank) if self.shard.sharded
                         else rows)
 
-    def end_step(self, call: DualCall) -> None:
-        """Add up what a decode forward's attention reported (`call.drift_repairs`)."""
-        self.accounting.drift_repairs += call.drift_repairs
-
     def record_speculation(self, hits: int, steps: int) -> None:
         """Add speculation outcomes: `hits` of `steps` speculated tokens equalled the real next token."""
         self.accounting.spec_hits += int(hits)
@@ -272,6 +269,9 @@ class DualDecoderCache(Cache):
                 sequences[:, :stored].to("cpu", copy=True)
             self.accounting.decoding_device_bytes = self._device_bytes()
         schedule, self.schedule = self.schedule, None
+        # what each layer's last submitted selection was handed (its query selects a continuing request's first step)
+        pending = {} if schedule is None else {layer.layer_idx: schedule.pending(layer.layer_idx)
+                                                for layer in self.dual_layers}
         try:
             if schedule is not None:
                 try:
@@ -280,7 +280,10 @@ class DualDecoderCache(Cache):
                     self.accounting.end_schedule(schedule)
         finally:
             for layer in self.layers:
-                layer.end_request()
+                if isinstance(layer, DualLayer):
+                    layer.end_request(pending.get(layer.layer_idx))
+                else:
+                    layer.end_request()
 
     # --- transformers Cache API ------------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -10,9 +10,9 @@ from typing import Any, Sequence
 
 from .layer import DualLayer
 
-SCHEDULE_COUNTERS = ("steps", "bytes_copied", "retrieval_seconds", "copy_seconds", "wait_seconds", "repairs",
-                     "repaired_steps", "repair_seconds", "device_wait_seconds", "device_starved_seconds",
-                     "device_step_seconds")
+SCHEDULE_COUNTERS = ("steps", "bytes_copied", "retrieval_seconds", "retrieval_cpu_seconds", "copy_seconds",
+                     "wait_seconds", "repairs", "repaired_steps", "repair_seconds", "drift_repairs", "entries_wanted",
+                     "entries_resident", "device_wait_seconds", "device_starved_seconds", "device_step_seconds")
 
 
 def add_counters(totals: dict[str, float], schedule: Any) -> dict[str, float]:
@@ -34,11 +34,12 @@ def overlap_ratio(counters: dict) -> float:
 
 
 def layer_device_bytes(layer: DualLayer) -> int:
-    """Bytes of a full-attention layer's device tiers: sink, window ring, what the selector keeps there (the Quest
-    baseline's page metadata); selection slots are pooled and counted by the schedule."""
+    """Bytes of a full-attention layer's device tiers: sink, window ring, resident set, what the selector keeps there
+    (the Quest baseline's page metadata); delta buffers are pooled and counted by the schedule."""
     tensors = (layer.sink_keys, layer.sink_values, layer.ring_keys, layer.ring_values)
     selector = 0 if layer.selector is None else layer.selector.device_bytes
-    return sum(t.nbytes for t in tensors if t is not None) + selector
+    resident = 0 if layer.resident is None else layer.resident.nbytes
+    return sum(t.nbytes for t in tensors if t is not None) + selector + resident
 
 
 def layer_host_bytes(layer: DualLayer) -> int:
@@ -92,7 +93,6 @@ class CacheAccounting:
 
     Attributes:
         spec_hits, spec_steps: speculated tokens that equalled the real one / speculated tokens.
-        drift_repairs: repairs made for drifted queries on hit steps (`call.DualCall.drift_repairs`).
         finished: schedule counters (`SCHEDULE_COUNTERS`) of the requests that ended; records: their timelines.
         decoding_device_bytes: device bytes the last ended request held while decoding.
         final: the stats `close()` froze; None while the cache is open.
@@ -101,7 +101,6 @@ class CacheAccounting:
     def __init__(self) -> None:
         self.spec_hits = 0
         self.spec_steps = 0
-        self.drift_repairs = 0
         self.finished = dict.fromkeys(SCHEDULE_COUNTERS, 0)
         self.records: list[dict] = []
         self.decoding_device_bytes = 0
@@ -119,11 +118,15 @@ class CacheAccounting:
         begun (`requests`) and the KV heads it holds (`shard`, a `tensor_parallel.TensorShard`).
 
         Returns a dict with:
-            device_bytes: bytes resident on the compute device (while a request decodes: sink + window tiers of
-                full layers, Quest page metadata, the selection pool; the windows of sliding layers);
+            device_bytes: bytes resident on the compute device (while a request decodes: sink + window tiers and
+                resident sets of full layers, Quest page metadata, the delta buffers; the windows of sliding layers);
             host_bytes: bytes of the host stores and the selectors' host state;
             dense_equivalent_bytes: bytes a `DynamicCache` would hold on the device for the same tokens;
-            bytes_copied: host→device bytes of selections so far (K, V, indices, validity);
+            bytes_copied: host→device bytes of the deltas so far (K, V, slots, positions);
+            entries_wanted, entries_resident, resident_share: entries the steps wanted resident (per sequence, KV
+                head and layer), how many of them already were, and their ratio (nan before any);
+            retrieval_cpu_seconds: host CPU time of the retrieval jobs (selection, plan, gather; every thread of
+                the native engine counted);
             spec_hits, spec_steps: speculated tokens that equalled the real one / speculated tokens;
             seq_length: tokens stored; steps: decode forward passes; requests: requests begun;
             retrieval_seconds, copy_seconds: host time spent selecting + gathering, and issuing copies;
@@ -158,7 +161,8 @@ class CacheAccounting:
             "requests": requests,
             **counters,
             "overlap_ratio": overlap_ratio(counters),
-            "drift_repairs": self.drift_repairs,
+            "resident_share": counters["entries_resident"] / counters["entries_wanted"] if counters["entries_wanted"]
+            else float("nan"),
             "tp_rank": shard.rank,
             "tp_size": shard.size,
             "kv_heads": shard.kv_heads,

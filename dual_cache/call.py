@@ -14,18 +14,15 @@ from transformers.cache_utils import CacheLayerMixin
 from .repair import StepRows
 
 
-@dataclass
+@dataclass(frozen=True)
 class DualCall:
-    """One forward's plan.
+    """One forward's plan, read-only (what the layers do is counted where they do it: repairs by the schedule).
 
     Attributes:
         layers: the cache's layers, indexed by `module.layer_idx` (full-attention ones are `DualLayer`s).
         rows: in a decode step, the sequences it re-selects or checks (`StepRows`, from `RepairPolicy.rows`);
             None in a prefill.
-        drift_repairs: layers that re-selected entries for a drifted query in this forward (filled by the
-            attention path; `DualDecoderCache.end_step` adds them up).
     """
 
     layers: Sequence[CacheLayerMixin]
     rows: StepRows | None = None
-    drift_repairs: int = 0

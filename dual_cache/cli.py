@@ -24,6 +24,7 @@ from .extras import MissingExtraError
 from .help_format import DefaultsHelpFormatter
 from .host_memory import HostMemoryError, format_bytes
 from .models import NAMED_MODELS, ModelNotInstalledError
+from .progress import GenerationProgress, shown
 from .timing import TimingStreamer
 
 
@@ -53,8 +54,10 @@ def check_positions(model, tokens: int, option: str) -> None:
 
 
 def run_question(model, tokenizer, text: str, dual_config: DualDecoderConfig | None, max_new_tokens: int,
-                 stream: bool = False) -> tuple[str, dict]:
-    """Answer the chat-formatted `text` greedily; `dual_config=None` uses the dense default cache.
+                 stream: bool = False, progress: bool = False) -> tuple[str, dict]:
+    """Answer the chat-formatted `text` greedily; `dual_config=None` uses the dense default cache. `stream` prints
+    the answer as it comes; `progress` draws the prefill (by layer) and, when not streaming, the decode (by token)
+    on stderr (`progress.GenerationProgress`).
 
     Returns:
         `(answer, info)` where info has `tokens_per_s` (decode, prefill excluded), `first_token_s` (prefill and
@@ -70,14 +73,18 @@ def run_question(model, tokenizer, text: str, dual_config: DualDecoderConfig | N
     ids = torch.tensor([format_chat(tokenizer, text)], device=model.device)
     check_positions(model, ids.shape[1] + max_new_tokens, "the document length or --max-new-tokens")
     inner = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
-    timer = TimingStreamer(inner=inner)
+    chunk = ids.shape[1] if dual_config is None else dual_config.prefill_chunk_size
+    bars = GenerationProgress(model, ids.shape[1], chunk, max_new_tokens, "dual" if dual_config else "dense",
+                              enabled=progress, decode_bar=not stream, inner=inner)
+    timer = TimingStreamer(inner=bars)
     kwargs = {}
     if dual_config is not None:
         kwargs = {"cache_implementation": "dual", "cache_config": dual_config}
-    out = model.generate(
-        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-        streamer=timer, return_dict_in_generate=True, **kwargs,
-    )
+    with bars:
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+            streamer=timer, return_dict_in_generate=True, **kwargs,
+        )
     answer = tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True).strip()
     info = {"tokens_per_s": timer.decode_tokens_per_second(), "prompt_tokens": ids.shape[1],
             "first_token_s": timer.first_token_seconds()}
@@ -88,14 +95,19 @@ def run_question(model, tokenizer, text: str, dual_config: DualDecoderConfig | N
 
 
 def stats_line(info: dict) -> str:
-    """One line: decode tokens/s, speculation hit rate, device vs dense bytes, host bytes."""
+    """One line: decode tokens/s, speculation hit rate, device vs dense bytes, host bytes, host→device bytes per step
+    and the share of the wanted entries that were resident already."""
     steps = info.get("spec_steps", 0)
     hit = f"{info['spec_hits'] / steps:.0%} ({info['spec_hits']}/{steps})" if steps else "n/a"
     ratio = info["device_bytes"] / max(info["dense_equivalent_bytes"], 1)
+    steps_run = info.get("steps", 0)
+    copied = f"{format_bytes(info['bytes_copied'] / steps_run)}/step" if steps_run else "n/a"
+    share = info.get("resident_share", float("nan"))
+    resident = f", {share:.0%} of wanted entries already resident" if share == share else ""
     return (
         f"decode {info['tokens_per_s']:.2f} tokens/s | speculation hit rate {hit} | device "
         f"{format_bytes(info['device_bytes'])} vs dense cache {format_bytes(info['dense_equivalent_bytes'])} ({ratio:.1%}) "
-        f"| host {format_bytes(info['host_bytes'])} "
+        f"| host {format_bytes(info['host_bytes'])} | copied {copied}{resident} "
         f"| repaired steps {info.get('repaired_steps', 0)}/{info.get('steps', 0)} "
         f"(drift repairs {info.get('drift_repairs', 0)})"
     )
@@ -131,7 +143,7 @@ def _dual_config(args) -> DualDecoderConfig:
     validated together; a `ValueError` names a flag (`--n-sink`) where the value came from one."""
     changes = {field: getattr(args, field) for field in (*_FLAGS, "speculator", "selector", "miss_repair")
                if hasattr(args, field)}
-    fields = {"prefill_progress": True, **(args.cache_config or {}), **changes}
+    fields = {**(args.cache_config or {}), **changes}
     try:
         return DualDecoderConfig.from_dict(fields)
     except ValueError as error:
@@ -160,10 +172,11 @@ def cmd_generate(args) -> int:
     model, tokenizer = load_model(args.model)
     text = f"{document}\n\n{args.question}"
     print("dual:", flush=True)
-    answer, info = run_question(model, tokenizer, text, config, args.max_new_tokens, stream=True)
+    bars = shown(args.quiet)
+    answer, info = run_question(model, tokenizer, text, config, args.max_new_tokens, stream=True, progress=bars)
     print(f"[{info['prompt_tokens']} prompt tokens] {stats_line(info)}")
     if args.compare_dense:
-        dense, dense_info = run_question(model, tokenizer, text, None, args.max_new_tokens)
+        dense, dense_info = run_question(model, tokenizer, text, None, args.max_new_tokens, progress=bars)
         print(f"dense: {dense}\n[dense decode {dense_info['tokens_per_s']:.2f} tokens/s]")
     return 0
 
@@ -181,26 +194,34 @@ def cmd_demo(args) -> int:
         f"document: Python Language Reference excerpt, {prompt.n_tokens} tokens, with one needle; question: "
         f"the special magic number for '{prompt.key}' (expected {prompt.answer})"
     )
-    dense, dense_info = run_question(model, tokenizer, prompt.text, None, args.max_new_tokens)
-    dual, info = run_question(model, tokenizer, prompt.text, config, args.max_new_tokens)
+    bars = shown(args.quiet)
+    dense, dense_info = run_question(model, tokenizer, prompt.text, None, args.max_new_tokens, progress=bars)
+    dual, info = run_question(model, tokenizer, prompt.text, config, args.max_new_tokens, progress=bars)
     print(f"dense answer : {dense!r}  [prefill {dense_info['first_token_s']:.2f} s, decode "
           f"{dense_info['tokens_per_s']:.2f} tokens/s]")
     print(f"dual answer  : {dual!r}  [prefill {info['first_token_s']:.2f} s, decode {info['tokens_per_s']:.2f} "
           f"tokens/s; budget {config.budget}, sink {config.n_sink}, window {config.window}]")
+    print(speed_reading(model.device))
     print(stats_line(info))
     print(demo_reading(dense, dual, info))
     return 0
 
 
+def speed_reading(device: torch.device) -> str:
+    """The sentence under the demo's speeds: what they measure on this kind of machine."""
+    if torch.device(device).type == "cpu":
+        return ("(speeds on a CPU measure the method's overhead — two tokens per forward, host selection — not its "
+                "benefit: the KV lives in the same memory either way; GPU numbers: results/gpu/)")
+    return "(speeds at batch 1: the method pays where device memory limits the batch; docs/benchmarks.md)"
+
+
 def demo_reading(dense: str, dual: str, info: dict) -> str:
-    """The two lines after the demo's answers: what the run shows, and what its speed line does not."""
+    """The line after the demo's answers: what the run shows."""
     same = "the same answer" if dense == dual else "different answers (see above)"
     return (
         f"What this shows: {same}, while an accelerator would hold {format_bytes(info['device_bytes'])} of KV "
         f"(sink, window, this step's selection) instead of the dense cache's "
-        f"{format_bytes(info['dense_equivalent_bytes'])}; the rest stays in host memory.\n"
-        "On a CPU-only machine the KV lives in the same memory either way, so the speed line measures the "
-        "method's overhead (two tokens per forward, host selection), not its benefit; GPU numbers: results/gpu/."
+        f"{format_bytes(info['dense_equivalent_bytes'])}; the rest stays in host memory."
     )
 
 
@@ -249,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also re-select a layer's entries on a hit step when the real query drifted this far "
                             f"(relative L2) from the speculated one; 'off' disables (default: {base.repair_drift})")
         p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate")
+        p.add_argument("--quiet", action="store_true",
+                       help="no progress bars (they are drawn on stderr only when it is a terminal)")
 
     defaults = DefaultsHelpFormatter
     gen = sub.add_parser("generate", help="answer a question about a document with the dual cache",

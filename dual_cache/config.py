@@ -17,6 +17,7 @@ from .kernels import BACKENDS as ATTENTION_KERNELS
 from .selectors import SELECTORS
 
 SPECULATORS = ("self", "ngram", "none")
+RESIDENT_ATTENTION = ("all", "rerank")
 
 
 def usable_cores() -> int:
@@ -44,11 +45,11 @@ class DualDecoderConfig:
             far less sparse than the later ones (docs/design.md §2). 0 disables.
         early_layer_budget: budget of those early layers (tokens per KV head).
         layer_budgets: per-layer override `{layer_idx: budget}`, taking precedence over everything else.
-        layers_in_flight: device slots of the layer-scoped selection buffer pool; device bytes for retrieved
-            entries are `layers_in_flight × B × H_kv × max budget × (2 × D × dtype bytes + 9)` (K, V, int64
-            index, bool validity), independent of context length and layer count.
-        lookahead: layers between issuing a selection's host→device copy and the layer that uses it; must be
-            smaller than `layers_in_flight`.
+        layers_in_flight: device buffers of the layer-scoped pool the deltas are copied into (each holds the most
+            one step of one layer can copy: `B × H_kv × (fetch_factor + 1) × budget` rows of K, V, an int64 slot
+            and an int64 position), independent of context length and layer count.
+        lookahead: layers between issuing a delta's host→device copy and the layer that uses it; must be smaller
+            than `layers_in_flight`.
         speculator: how the speculated token x̂ is proposed. `"self"`: argmax of the model's own logits at the
             speculated slot (two tokens per forward). `"ngram"`: prompt lookup (transformers'
             `PromptLookupCandidateGenerator`), falling back to `"self"` where it finds no match. `"none"`: one
@@ -60,6 +61,15 @@ class DualDecoderConfig:
             request's first step) never makes the step wait for the host. 1 fetches exactly the budget (the
             speculated token's choice is attended as it is). Device bytes of the selection slots and host→device
             bytes per step grow by this factor; the measured choice is in docs/design.md.
+        resident_factor: entries each full-attention layer keeps on the device per KV head across steps (its
+            resident set), as a multiple of the layer's budget (at least what one step wants: `fetch_factor ×
+            budget`, plus `budget` with `fetch_next`): each step copies only the entries its selection wants that
+            the set lacks, into the slots of the least recently wanted or attended ones (`resident_set.py`). Device
+            bytes per request: `resident_factor × Σ_layers budget × H_kv × (2 × D × dtype bytes + 8)`; the measured
+            choice is in docs/design.md.
+        resident_attention: what the real token attends to of its layer's resident set: `"all"` of it (more than
+            the budget, at no extra copies) or `"rerank"`: the `budget` entries of most mass of its query
+            (`rerank.top_entries`, on the device).
         fetch_next: with a prefetched selector, also fetch, for each entry the real token attended in a step, the
             entry at the next position (`budget` more slots): where a token continues a copy (a needle's digits),
             its query needs the entry after the one the previous token attended, which a mis-speculated token's
@@ -111,7 +121,7 @@ class DualDecoderConfig:
             on CPU (where retrieval threads only compete with the compute for cores).
         prefill_chunk_size: prompt tokens per prefill forward pass (tokens).
         ngram_size: maximum n-gram length matched by the `"ngram"` speculator (tokens).
-        prefill_progress: show a tqdm progress bar over prefill chunks.
+        prefill_progress: show a tqdm progress bar over the prefill, by layer of every chunk (`progress.PrefillBar`).
         host_chunk_tokens: the largest growth step of a host store (tokens): its first chunk holds the prompt,
             later chunks add half the capacity, at least 16 and at most this many tokens (appending never copies
             what is stored; `host_growth.next_chunk_tokens`).
@@ -135,7 +145,9 @@ class DualDecoderConfig:
     layer_budgets: dict[int, int] = field(default_factory=dict)
     layers_in_flight: int = 2
     speculator: str = "self"
-    fetch_factor: int = 2
+    fetch_factor: int = 1
+    resident_factor: int = 3
+    resident_attention: str = "all"
     fetch_next: bool = True
     coupled_sampling: bool = True
     miss_repair: bool = False
@@ -256,6 +268,7 @@ class DualDecoderConfig:
         _int("block_size", self.block_size, 1)
         _int("layers_in_flight", self.layers_in_flight, 1)
         _int("fetch_factor", self.fetch_factor, 1)
+        _int("resident_factor", self.resident_factor, 1)
         _int("early_layers", self.early_layers, 0)
         _int("early_layer_budget", self.early_layer_budget, 0)
         if self.retrieval_threads is not None:
@@ -271,6 +284,17 @@ class DualDecoderConfig:
                 f"`lookahead` ({self.lookahead}) must be smaller than `layers_in_flight` ({self.layers_in_flight}): "
                 "each copy issued ahead needs its own device slot. Raise layers_in_flight or lower lookahead."
             )
+        if not isinstance(self.fetch_next, bool):
+            raise ValueError(f"`fetch_next` must be a bool, got {self.fetch_next!r}.")
+        wanted = self.fetch_factor + int(self.fetch_next)
+        if self.resident_factor < wanted:
+            raise ValueError(
+                f"`resident_factor` ({self.resident_factor}) must be at least what one step wants resident, "
+                f"fetch_factor{' + 1 (fetch_next)' if self.fetch_next else ''} = {wanted}: raise resident_factor or "
+                "lower fetch_factor.")
+        if self.resident_attention not in RESIDENT_ATTENTION:
+            raise ValueError(f"`resident_attention` must be one of {RESIDENT_ATTENTION}, got "
+                             f"{self.resident_attention!r}.")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(f"`attention_kernel` must be one of {ATTENTION_KERNELS}, got {self.attention_kernel!r}.")
         for layer_idx, layer_budget in self.layer_budgets.items():

@@ -26,17 +26,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from tqdm.auto import tqdm
 from transformers.generation import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import logging
 
 from .cache import DualDecoderCache
 from .checks import check_model_serves_dual
-from .model_inputs import CACHE_KWARGS, ModelInputs, forward_inputs, input_positions
+from .model_inputs import CACHE_KWARGS, ModelInputs, cache_kwarg_name, forward_inputs, input_positions
+from .progress import PrefillBar
 from .refusals import refuse
 from .sampling import StepSampler
-from .step import DualStep, StepOutput, cache_kwarg_name
+from .step import DualStep, StepOutput
 from .streams import to_device, to_host_list
 
 logger = logging.get_logger(__name__)
@@ -230,19 +230,22 @@ def prefill(model, cache: DualDecoderCache, cache_arg: str, inputs: ModelInputs,
     input_len = prompt.shape[1]
     keep_hidden = rules.hidden_states is not None
     chunk = config.prefill_chunk_size
-    starts = range(stored, input_len, chunk)
-    if config.prefill_progress:  # a tqdm bar, even disabled, starts tqdm's monitor thread
-        starts = tqdm(starts, desc="prefill", unit="chunk")
     prefill_hidden = []
-    for start in starts:
-        end = min(start + chunk, input_len)
-        chunk_inputs = inputs.prefill(prompt[:, start:end], end,
-                                      None if attention_mask is None else attention_mask[:, :end],
-                                      positions[:, start:end], cache)
-        outputs = model(**chunk_inputs, **forward_inputs(cache, cache_arg, 1, cache.prefill_call()))
-        if keep_hidden:
-            prefill_hidden.append(outputs.hidden_states)
-        cache.crop(0)  # sliding-window layers drop what falls out of their window
+    # a bar over every chunk's layers (`progress.PrefillBar`; none unless asked: even a disabled tqdm bar starts
+    # tqdm's monitor thread)
+    bar = PrefillBar(model, input_len - stored, chunk, enabled=config.prefill_progress)
+    try:
+        for start in range(stored, input_len, chunk):
+            end = min(start + chunk, input_len)
+            chunk_inputs = inputs.prefill(prompt[:, start:end], end,
+                                          None if attention_mask is None else attention_mask[:, :end],
+                                          positions[:, start:end], cache)
+            outputs = model(**chunk_inputs, **forward_inputs(cache, cache_arg, 1, cache.prefill_call()))
+            if keep_hidden:
+                prefill_hidden.append(outputs.hidden_states)
+            cache.crop(0)  # sliding-window layers drop what falls out of their window
+    finally:
+        bar.close()
     cache.end_prefill()
     logits = outputs.logits[:, -1].to(dtype=torch.float32, device=rules.device)
     del outputs

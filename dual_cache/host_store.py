@@ -333,7 +333,19 @@ class HostKVStore:
             return out[0], out[1]
         out_keys, out_values = out if out is not None else (None, None)
         own = self.own_rows(rows, indices.shape[0])
-        return self._gather(0, indices, out_keys, own), self._gather(1, indices, out_values, own)
+        shared = torch.arange(indices.shape[1]).view(1, -1, 1)  # a shared chunk's rows: one sequence
+        return self._gather(0, indices, out_keys, own, shared), self._gather(1, indices, out_values, own, shared)
+
+    def gather_rows(self, rows: torch.Tensor, positions: torch.Tensor,
+                    out: Sequence[torch.Tensor]) -> None:
+        """Keys and values of `N` entries, each of its own (sequence, KV head): `rows` `(N,)` int64 flat rows
+        `b · H_kv + h` (sequences of the store's batch), `positions` `(N,)` int64 `< length`, written into `out`
+        `(keys, values)`, each `(N, D)` contiguous host tensors (a resident set's delta)."""
+        if not rows.numel():
+            return
+        shared = rows % self.shape_prefix[1]
+        self._gather(0, positions, out[0], rows, shared)
+        self._gather(1, positions, out[1], rows, shared)
 
     def own_rows(self, rows: Sequence[int] | None, batch: int) -> torch.Tensor:
         """`(b, H_kv, 1)` int64 flat `(sequence, KV head)` rows of sequences `rows` (None: `0 … batch - 1`).
@@ -349,17 +361,17 @@ class HostKVStore:
         return (torch.tensor(rows, dtype=torch.long)[:, None] * kv_heads + torch.arange(kv_heads)).view(
             batch, kv_heads, 1)
 
-    def _gather(self, which: int, indices: torch.Tensor, out: torch.Tensor | None, own: torch.Tensor) -> torch.Tensor:
-        """Rows of keys (`which=0`) or values (1) at `indices` `(b, H_kv, k)`, copied whole (`D` contiguous elements
-        each) with `index_select` from each chunk viewed as `(B·H_kv·tokens, D)`; `own` `(b, H_kv, 1)` are the flat
-        `(sequence, KV head)` rows of `indices`' rows (`own_rows`)."""
+    def _gather(self, which: int, indices: torch.Tensor, out: torch.Tensor | None, own: torch.Tensor,
+                shared: torch.Tensor) -> torch.Tensor:
+        """Rows of keys (`which=0`) or values (1) at `indices` (any shape), copied whole (`D` contiguous elements
+        each) with `index_select` from each chunk viewed as `(B·H_kv·tokens, D)`; `own` and `shared` (broadcastable
+        to `indices`) are the flat `(sequence, KV head)` rows of each index (`own_rows`) and, in a chunk the batch
+        shares (batch 1), its KV head."""
         shape = (*indices.shape, self.head_dim)
         target = out if out is not None else torch.empty(shape, dtype=self.dtype)
         flat_out = target.view(-1, self.head_dim)  # (a non-contiguous `out` raises here)
         if not indices.numel():
             return target
-        kv_heads = indices.shape[1]
-        shared = torch.arange(kv_heads).view(1, kv_heads, 1)  # a shared chunk's rows: one sequence
         if not self.shared_length and (len(self._chunks) == 1 or int(indices.max()) < self._starts[1]):
             tokens = self._chunks[0][which].shape[2]  # one chunk: one index_select
             rows = (own * tokens + indices).flatten()

@@ -19,7 +19,8 @@ from transformers.generation.utils import GenerationMixin
 from . import routing
 from .cache import DualDecoderCache
 from .config import DualDecoderConfig
-from .decoding import CACHE_KWARGS, CLOSE_AFTER, cache_kwarg_name, dual_sample
+from .decoding import CACHE_KWARGS, CLOSE_AFTER, dual_sample
+from .model_inputs import cache_kwarg_name
 from .refusals import refuse
 
 CACHE_IMPLEMENTATION = "dual"

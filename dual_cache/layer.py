@@ -1,12 +1,17 @@
 """`DualLayer`: one full-attention layer of a `DualDecoderCache` — every K/V in a host store, and on the device only
-the sink, the local window and the current selection (docs/design.md §2).
+the sink, the local window and the resident set of selected entries kept across steps (docs/design.md §2).
 
 A layer gets what it needs when it is built (its budget, the shared `SequenceState`, the cache's `HostMemory`
 allowance), per request (`begin_request`: the schedule, the request's budget and window ring, the tokens to reserve)
-and per step as arguments (`decode_segments(..., rows)`); it never refers back to the cache that holds it.
+and per step as arguments (`begin_attention(..., rows)`); it never refers back to the cache that holds it. Its decode
+protocol is two calls around the attention kernel: `begin_attention` (apply this step's delta to the resident set,
+repair if asked, choose what to attend) and `end_attention` (release the delta buffer, submit the next step's
+selection with what this step hands it: a `Handoff`).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -16,11 +21,40 @@ from .host_memory import HostMemory
 from .host_store import HostKVStore
 from .kernels import KVSegment
 from .repair import StepRows, rows_to_repair
-from .rerank import rerank_valid
-from .transfer_schedule import TransferSchedule
-from .selection import Candidates, compact_positions
+from .rerank import top_entries
+from .resident_set import ResidentSet
+from .selection import Candidates, Delta, compact_positions
 from .selectors import SELECTORS, Selector
 from .sequences import SequenceState
+from .sync_points import uncounted
+from .transfer_schedule import TransferSchedule
+
+
+class Handoff(NamedTuple):
+    """What one decode step hands the next, travelling with the retrieval job (`TransferSchedule.submit` /
+    `acquire`).
+
+    Attributes:
+        query: `(B, H_q, D)` the query that chose the next step's entries (the speculated token's; the prompt's last
+            on a request's first step); any device.
+        attended: `(B, H_kv, k)` int64 positions the real token attended most in the step (-1: none), whose next
+            positions the next selection adds (`fetch_next`); None when not tracked.
+    """
+
+    query: torch.Tensor
+    attended: torch.Tensor | None = None
+
+
+class StepAttention(NamedTuple):
+    """What `begin_attention` returns: the segments the kernel reads, and what `end_attention` needs.
+
+    Attributes:
+        segments: sink, resident set, window ring (read in place).
+        attended: `(B, H_kv, k)` int64 positions the real token attends most (-1: none), or None.
+    """
+
+    segments: list[KVSegment]
+    attended: torch.Tensor | None
 
 
 class DualLayer(CacheLayerMixin):
@@ -30,13 +64,14 @@ class DualLayer(CacheLayerMixin):
       - sink: `(B, H_kv, n_sink, D)`, the first `n_sink` real tokens of each sequence;
       - window ring: `(B, H_kv, window + 2, D)`, slot `p % (window + 2)` holds position p; the last `window`
         committed tokens plus the (up to two) tokens of the running step;
-      - selection: a slot of the schedule's pool, `(B, H_kv, budget, D)`;
+      - resident set: `(B, H_kv, C, D)` entries kept across steps (`resident_set.ResidentSet`; C = `capacity`),
+        of which each step copies only those its selection wants and the set lacks (the delta);
       - whatever the selector keeps there (`Selector.device_bytes`; only the Quest baseline's page metadata).
 
     The layer's `Selector` (`config.selector`) owns any host-side index; the layer extends it after each prefill
-    chunk and submits the selector's jobs to the schedule. `update()` appends new K/V to the host store (and the ring
-    once decoding) and returns them unchanged: the dual attention function reads the tiers through `prefill_kv()`
-    and `decode_segments()`.
+    chunk and submits its retrieval jobs (the selector's choice, the resident set's plan, the gather of the delta) to
+    the schedule. `update()` appends new K/V to the host store (and the ring once decoding) and returns them
+    unchanged: the dual attention function reads the tiers through `prefill_kv()` and `begin_attention()`.
 
     Args:
         layer_idx: the model layer.
@@ -61,9 +96,14 @@ class DualLayer(CacheLayerMixin):
         self.selector: Selector | None = None  # built with the host store when the layer retrieves (budget > 0)
         self.schedule: TransferSchedule | None = None  # the running request's (`begin_request`)
         self.request_budget = budget  # this request's budget: at most its tokens
-        self.fetch_budget = budget  # entries per KV head the selector chooses for a slot (`_fetch_for`)
+        self.fetch_budget = budget  # entries per KV head the selector chooses per step (`_fetch_for`)
         self.next_budget = 0  # slots after them for the next positions of what the real token attended
-        self.attended: torch.Tensor | None = None  # (B, H_kv, S) int64 device: this step's attended positions, -1
+        self.capacity = budget  # resident entries per KV head (`_capacity_for`)
+        self.resident: ResidentSet | None = None  # the running request's (`start_decoding`)
+        # `(positions, stamps)` host tensors of the resident set when a request ended mid-decode: restored by a request
+        # that goes on decoding these sequences without a new prompt (`regroup`: rows joining and leaving a batch), so
+        # it decodes as if never interrupted; a new prompt drops it (`end_prefill_chunk`)
+        self.next_resident: tuple[torch.Tensor, torch.Tensor] | None = None
         # (B, H_kv, m) int64 host, -1 where none: the positions the last step attended when a request ended mid-decode
         # (its first step's next positions: kept between requests with `next_query`, carried by `regroup`)
         self.next_attended: torch.Tensor | None = None
@@ -75,7 +115,6 @@ class DualLayer(CacheLayerMixin):
         # prompt's last query after a prefill, the last speculated token's query when a request ends mid-decode (kept
         # between requests so `regroup` can carry sequences into another cache without changing their selections)
         self.next_query: torch.Tensor | None = None
-        self.selecting_query: torch.Tensor | None = None  # (B, H_q, D): the query that chose the next step's entries
         self.scaling: float = 1.0
         self.sink_keys = self.sink_values = self.sink_pos = self.sink_valid = None
         self.ring_keys = self.ring_values = None
@@ -92,7 +131,7 @@ class DualLayer(CacheLayerMixin):
         self.host.reserve(self.reserve_tokens)
         if self.budget > 0:
             self.selector = SELECTORS[self.config.selector](
-                self.config, self.fetch_budget, self.host, self.device, claim_host=self.host_memory.claim
+                self.config, self.budget, self.host, self.device, claim_host=self.host_memory.claim
             )
         self.is_initialized = True
 
@@ -177,42 +216,66 @@ class DualLayer(CacheLayerMixin):
         self.next_budget = self.request_budget if (
             self.config.fetch_next and SELECTORS[self.config.selector].prefetched and self.fetch_budget < tokens
             and self.request_budget > 0) else 0
-        self.attended = None
+        self.capacity = self._capacity_for(tokens)
         self.ring_size = min(self.config.window, tokens) + 2
         self.reserve_tokens = reserve
         self.decoding = False
         if self.host is not None:
             self.host.reserve(reserve)
-        if self.selector is not None:
-            self.selector.budget = self.fetch_budget
 
     def _fetch_for(self, budget: int, tokens: int) -> int:
-        """Entries per KV head a selection slot holds for a request of `tokens` tokens: `fetch_factor × budget` for
-        a prefetched selector (the real query re-ranks them on the device, `rerank.py`), else `budget`."""
+        """Entries per KV head a step's selection chooses for a request of `tokens` tokens: `fetch_factor × budget`
+        for a prefetched selector, else `budget`."""
         if not SELECTORS[self.config.selector].prefetched:
             return budget
         return max(budget, min(self.config.fetch_factor * budget, tokens))
 
+    def _capacity_for(self, tokens: int) -> int:
+        """Resident entries per KV head for a request of `tokens` tokens: `resident_factor × budget` for a prefetched
+        selector (at least what one step wants), else exactly what one step selects (those selectors attend to their
+        choice alone). It follows the budget alone (a request shorter than the budget lowers it), so a sequence moved
+        into another request's cache (`regroup`) keeps its set's size."""
+        if not SELECTORS[self.config.selector].prefetched:
+            return max(1, self.fetch_budget)
+        return max(1, self.fetch_budget + self.next_budget, self.config.resident_factor * self.request_budget)
+
+    @property
+    def exclusive(self) -> bool:
+        """Whether the resident set holds exactly each step's choice (a selector that chooses at the step that uses
+        it: its attention is that choice alone)."""
+        return self.selector is not None and not self.selector.prefetched
+
     def share(self, batch: int) -> None:
-        """The stored sequence becomes a prefix `batch` sequences share (`HostKVStore.share`, `Selector.share`)."""
+        """The stored sequence becomes a prefix `batch` sequences share (`HostKVStore.share`, `Selector.share`); each
+        starts from the stored sequence's resident set."""
+        if self.next_resident is not None:
+            self.next_resident = tuple(t.expand(batch, *t.shape[1:]).clone() for t in self.next_resident)
         if self.host is not None:
             self.host.share(batch)
         if self.selector is not None:
             self.selector.share()
 
-    def end_request(self) -> None:
-        """The request ended: release the device tiers and the request's schedule; the host store, the selector's
-        index and `next_query` stay for a request that continues these sequences."""
-        if self.decoding and self.selecting_query is not None:
-            self.next_query = self.selecting_query.detach().to("cpu", torch.float32)
-            if self.attended is not None:  # else no step ran: the first step's positions stand
-                self.next_attended = compact_positions(self.attended, self.request_budget).to("cpu")
+    def end_request(self, pending: Handoff | None = None) -> None:
+        """The request ended: release the device tiers (resident set included) and the request's schedule; the host
+        store, the selector's index and `next_query` stay for a request that continues these sequences.
+
+        Args:
+            pending: the handoff of the selection submitted for the step that did not run (`TransferSchedule.pending`):
+                its query selects the next request's first step, its attended positions continue there.
+        """
+        if self.decoding and pending is not None:
+            self.next_query = pending.query.detach().to("cpu", torch.float32)
+            if pending.attended is not None:  # else no step ran: the first step's positions stand
+                self.next_attended = compact_positions(pending.attended, self.request_budget).to("cpu")
+        if self.decoding and self.resident is not None:
+            self.next_resident = self.resident.carried()
         self.schedule = None
         self.decoding = False
         self.sink_keys = self.sink_values = self.sink_pos = self.sink_valid = None
         self.ring_keys = self.ring_values = None
-        self.selecting_query = None
-        self.attended = None
+        if self.resident is not None:
+            self.resident.free()
+            self.resident = None
 
     # --- prefill ---------------------------------------------------------------------------------------
     def prefill_kv(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,6 +305,7 @@ class DualLayer(CacheLayerMixin):
         host memory)."""
         self.next_query = query.detach().to("cpu", torch.float32)
         self.next_attended = None  # the prompt's last token chose: its own top entries continue (`Selector.job`)
+        self.next_resident = None  # a new prompt starts an empty resident set, as a fresh request does
         self.scaling = scaling
         if self.selector is not None:
             self.host.wait_written()
@@ -272,46 +336,74 @@ class DualLayer(CacheLayerMixin):
         self.ring_keys.index_copy_(2, slots, keys)
         self.ring_values.index_copy_(2, slots, values)
         self.decoding = True
-        if self.selector is not None and self.selector.prefetched:
-            self.submit_selection(self.next_query, committed=n, attended=self.next_attended)
+        if self.selector is not None:
+            self.resident = ResidentSet(batch, kv_heads, self.capacity, dim, self.dtype, self.device)
+            self.resident.allocate()
+            carried, self.next_resident = self.next_resident, None
+            if carried is not None and carried[0].shape[:2] == (batch, kv_heads) and not self.exclusive:
+                end = max(0, n - self.config.window)
+                self.resident.restore(*carried, self.sequences.candidates_below(end), self.host)
+            if self.selector.prefetched:
+                self.submit_selection(Handoff(self.next_query, self.next_attended), committed=n)
 
-    def _selection_job(self, query: torch.Tensor, committed: int, rows: list[int] | None = None,
+    def _retrieval_job(self, query: torch.Tensor, committed: int, rows: list[int] | None = None,
                        exact: frozenset[int] = frozenset(), use: str = "prefetch", follow=None):
-        """The selector's retrieval job for `query` `(B, H_q, D)` (any device: copied to the host on the copy stream,
-        the job waits for it) among the candidates below `committed - window`; `rows` selects for those sequences
-        only (a repair), `exact` of them by exact scoring; `follow` the host copy of the positions the real token
-        attended (`Selector.job`)."""
+        """The retrieval job for `query` `(B, H_q, D)` (any device: copied to the host on the copy stream, the job
+        waits for it) among the candidates below `committed - window`: the selector's choice (`Selector.job`;
+        `rows` chooses for those sequences only, a repair, `exact` of them by exact scoring; `follow` the host copy
+        of the positions the real token attended), the resident set's plan, and the gather of the delta's K/V into
+        the staging `Delta` it is given. Returns the job; it returns the `resident_set.Plan`."""
         end = max(0, committed - self.config.window)
         host_query, ready = self.schedule.query_to_host(self.layer_idx, query, use)
         candidates = Candidates(self.sequences.candidates_below(end), self.sequences.first_real)
-        return self.selector.job(host_query, ready, candidates, self.scaling, rows, exact, follow)
+        choose = self.selector.job(host_query, ready, candidates, self.scaling, self.fetch_budget,
+                                   self.fetch_budget + self.next_budget, rows, exact, follow)
+        resident, store, exclusive = self.resident, self.host, self.exclusive
 
-    def submit_selection(self, query: torch.Tensor, committed: int, attended: torch.Tensor | None = None) -> None:
+        def job(staging: Delta):
+            wanted = choose()
+            with uncounted():  # host tensors only
+                plan = resident.plan(wanted.positions, wanted.valid, rows, wanted.used, exclusive)
+                count = staging.count = plan.count
+                staging.slots[:count] = plan.slots
+                staging.positions[:count] = plan.positions
+                store.gather_rows(plan.rows, plan.positions.clamp(min=0),
+                                  (staging.keys[:count], staging.values[:count]))
+            return plan
+
+        return job
+
+    def _staging_rows(self, batch: int) -> int:
+        """Rows of a delta's staging: the most one step can copy (everything wanted, or the whole set's slots when
+        it holds exactly each step's choice)."""
+        per_head = max(self.fetch_budget + self.next_budget, self.capacity if self.exclusive else 0)
+        return batch * self.host.shape_prefix[1] * per_head
+
+    def submit_selection(self, handoff: Handoff, committed: int) -> None:
         """Schedule the selection for the step whose committed length is `committed` tokens.
 
         Args:
-            query: `(B, H_q, D)` query (any device) of the (speculated or real) token predicting that step.
+            handoff: what the step that submits hands the next: the query `(B, H_q, D)` (any device) of the
+                (speculated or real) token predicting that step, and the positions the real token attended (whose
+                next positions the selection adds, `fetch_next`; None: a request's first step chooses them from the
+                query's own top entries).
             committed: real tokens in the cache when that step starts; its window is `[committed - window,
                 committed)` and candidates lie in `[0, committed - window)` minus sink and pads.
-            attended: `(B, H_kv, m)` int64 positions the real token attended (-1: none), whose next positions the
-                selection adds (`fetch_next`); None: this step's (`attended`, set by `decode_segments`).
         """
         if self.selector is None:
             return
-        self.selecting_query = query
-        batch, kv_heads = self.host.shape_prefix
-        shape = (batch, kv_heads, self.fetch_budget + self.next_budget, self.host.head_dim)
-        attended = self.attended if attended is None else attended
+        batch = self.host.shape_prefix[0]
         follow = None
-        if self.next_budget and attended is not None:
+        if self.next_budget and handoff.attended is not None:
+            attended = handoff.attended
             follow = (attended, None) if attended.device.type == "cpu" and self.device.type != "cpu" else \
                 self.schedule.query_to_host(self.layer_idx, attended, "attended")
-        self.schedule.submit(self.layer_idx, self._selection_job(query, committed, follow=follow), shape,
-                             self.host.dtype)
+        self.schedule.submit(self.layer_idx, self._retrieval_job(handoff.query, committed, follow=follow),
+                             self._staging_rows(batch), self.host.head_dim, self.host.dtype, chooser=handoff)
 
     def repair_selection(self, query: torch.Tensor, committed: int, rows: list[int], batch: int,
                          drifted: list[int] = ()) -> None:
-        """Miss repair: re-select the running step's entries of `rows` with the real token's own query.
+        """Miss repair: add the real token's own selection to the resident set of `rows`, now.
 
         A sequence repaired for a miss is re-selected by the layer's selector; one repaired because its query
         drifted (`repair_drift`) by exact selection over every candidate key (`Selector.select_exact`), whatever
@@ -325,63 +417,78 @@ class DualLayer(CacheLayerMixin):
             drifted: those of `rows` repaired for drift only.
         """
         subset = None if len(rows) == batch else list(rows)
-        job = self._selection_job(query, committed, subset, frozenset(drifted), use="repair")
-        self.schedule.repair(self.layer_idx, job, list(rows))
+        job = self._retrieval_job(query, committed, subset, frozenset(drifted), use="repair")
+        delta = self.schedule.repair(self.layer_idx, job, list(rows), self._staging_rows(batch), self.host.head_dim,
+                                     self.host.dtype, drifted=bool(drifted))
+        self.resident.apply(*delta.fields())
 
-    def decode_segments(self, query: torch.Tensor, scaling: float, rows: StepRows = StepRows(),
-                        softcap: float | None = None) -> tuple[list[KVSegment], int]:
-        """The device-resident KV segments the running step attends to: sink, selection, window ring.
+    def begin_attention(self, query: torch.Tensor, scaling: float, rows: StepRows = StepRows(),
+                        softcap: float | None = None) -> StepAttention:
+        """The device-resident KV segments the running step attends to: sink, resident set, window ring.
+
+        Applies the step's delta to the resident set (on the compute stream, after its copy). Selectors that are not
+        prefetched (oracle, Quest) select with the real token's query (slot 0) here, synchronously, and so does miss
+        repair for `rows`. The real token attends to every resident entry (`resident_attention="all"`) or to the
+        `budget` of them with the most mass of its query (`"rerank"`, `rerank.top_entries`, on the device).
 
         Args:
-            query: `(B, H_q, q, D)` queries of the step (q = 1 or 2); selectors that are not prefetched (oracle,
-                Quest) select with the real token's query (slot 0) here, synchronously, and so does miss repair for
-                `rows`. A prefetched selection of more entries than the budget (`fetch_factor`) is re-ranked here
-                by the real token's query, on the device (`rerank.rerank_valid`).
+            query: `(B, H_q, q, D)` queries of the step (q = 1 or 2).
             scaling: the layer's softmax scale.
             rows: the sequences this step repairs or checks for drift.
             softcap: the model's attention logit soft-cap, or None (used by the re-rank's scores).
 
         Returns:
-            `KVSegment`s read in place (no concatenation; the ring segment also holds the step's q new tokens),
-            and 1 when this layer re-selected entries for a drifted query (`repair_drift`), else 0.
+            `StepAttention`: the `KVSegment`s (read in place; the ring segment also holds the step's q new tokens)
+            and the positions the real token attends most (for `end_attention`).
         """
         q = query.shape[2]
         n = self.get_seq_length()  # includes the q new tokens
         segments = [KVSegment(self.sink_keys, self.sink_values, self.sink_pos, self.sink_valid)]
-        drifted = 0
+        attended = None
         selector = self.selector
         if selector is not None:
             if not selector.prefetched:  # chosen now, with the real token's query
                 self.scaling = scaling
-                self.submit_selection(query[:, :, 0], committed=n - q)
-            selection = self.schedule.acquire(self.layer_idx)
+                self.submit_selection(Handoff(query[:, :, 0]), committed=n - q)
+            delta, handoff = self.schedule.acquire(self.layer_idx)
+            self.resident.apply(*delta.fields())
             if selector.repairable and not selector.selects_everything(n - q - self.config.window):
-                repair, drift_only = rows_to_repair(query[:, :, 0], self.selecting_query, rows,
-                                                    self.config.repair_drift, self.host.shape_prefix[1])
+                repair, drift_only = rows_to_repair(query[:, :, 0], handoff.query, rows, self.config.repair_drift,
+                                                    self.host.shape_prefix[1])
                 if repair:
                     self.repair_selection(query[:, :, 0], n - q, repair, rows.batch, drift_only)
-                drifted = int(bool(drift_only))
-            valid = selection.valid
-            if selector.prefetched and valid.shape[2] > self.request_budget and \
-                    n - q - self.config.window > self.request_budget:  # more candidates than the budget
-                valid = rerank_valid(query[:, :, 0], selection.keys, valid, self.request_budget, scaling, softcap)
-            if self.next_budget:
-                self.attended = torch.where(valid, selection.indices, -1)
-            segments.append(KVSegment(selection.keys, selection.values, selection.indices, valid))
+            resident = self.resident.segment()
+            valid = resident.valid
+            if selector.prefetched and (self.next_budget or self.config.resident_attention == "rerank") and \
+                    self.capacity > self.request_budget:
+                slots, chosen = top_entries(query[:, :, 0], resident.keys, valid, self.request_budget, scaling,
+                                            softcap)
+                attended = torch.where(chosen, torch.gather(resident.positions, 2, slots), -1)
+                if self.config.resident_attention == "rerank":
+                    valid = torch.zeros_like(valid).scatter_(2, slots, chosen)
+            elif self.next_budget:
+                attended = torch.where(valid, resident.positions, -1)
+            segments.append(resident._replace(valid=valid))
         ring_pos, ring_valid = self.sequences.ring_view(n, q, self.config.window, self.ring_size, self.device)
         segments.append(KVSegment(self.ring_keys, self.ring_values, ring_pos, ring_valid))
-        return segments, drifted
+        return StepAttention(segments, attended)
 
-    def release(self) -> None:
-        """The running step's attention at this layer is queued; its selection slot may be reused."""
-        if self.selector is not None:
-            self.schedule.release(self.layer_idx)
+    def end_attention(self, query: torch.Tensor, step: StepAttention) -> None:
+        """The running step's attention at this layer is queued: release its delta buffer and, for a prefetched
+        selector, submit the next step's selection with the speculated token's query (`query` `(B, H_q, q, D)`, its
+        last slot) and what the real token attended."""
+        if self.selector is None:
+            return
+        self.schedule.release(self.layer_idx)
+        if self.selector.prefetched:
+            n = self.get_seq_length()
+            self.submit_selection(Handoff(query[:, :, -1], step.attended), committed=n - query.shape[2] + 1)
 
     # --- lifecycle (its bytes: `cache_stats.layer_device_bytes`, `layer_host_bytes`) -----------------------
     def free(self) -> None:
         """Release host chunks, the selector's state and device tiers (the token count stays readable)."""
         self.end_request()
-        self.next_query = self.next_attended = None
+        self.next_query = self.next_attended = self.next_resident = None
         if self.host is not None:
             self.host.free()
         if self.selector is not None:

@@ -17,6 +17,22 @@ FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
 
+def check_attention_model(text_config: Any) -> None:
+    """Raise the refusal `ValueError` unless `text_config` describes a model the dual cache can serve: attention
+    heads (`num_attention_heads`, a positive int) and only full and sliding-window attention layers. Reads nothing
+    else, so it runs first, before any attribute a cache needs (the KV heads, the head dim) is read.
+
+    Raises:
+        ValueError: "models without attention heads" (Mamba, RWKV, xLSTM: no `num_attention_heads`), or "layer types
+            other than full and sliding-window attention" (hybrids such as Jamba, Zamba, Bamba, Qwen3-Next).
+    """
+    heads = getattr(text_config, "num_attention_heads", None)
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+        raise refuse("models without attention heads",
+                     f"{type(text_config).__name__} declares num_attention_heads={heads!r}")
+    resolve_layer_types(text_config, None)
+
+
 def resolve_layer_types(text_config: Any, tokens: int | None) -> list[str]:
     """Attention type of each layer for a request of `tokens` tokens per sequence (prompt + new tokens + the
     speculated one): `FULL_ATTENTION` or `SLIDING_ATTENTION`.

@@ -21,6 +21,7 @@ serving scheduler, which has no model keyword arguments) feeds tokens, mask and 
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -36,6 +37,20 @@ LOOP_INPUTS = (*CACHE_KWARGS, "attention_mask", "position_ids", "inputs_embeds",
 PREFILL_ONLY = getattr(generation_utils, "MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL",
                        ("pixel_values", "pixel_values_videos", "image_sizes", "input_features", "input_values"))
 TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids", "moe_mm_token_type_ids")  # per-position model inputs
+
+
+def cache_kwarg_name(model: torch.nn.Module, method: str = "forward") -> str:
+    """Name of the argument of `model.<method>` (`forward` or `prepare_inputs_for_generation`) that takes the cache on
+    the installed transformers: the one its signature names (`cache` from 5.24, `past_key_values` before), and for a
+    method that takes only `**kwargs` (a wrapped forward, a model's own `prepare_inputs_for_generation` that hands its
+    keywords on) the one transformers' own `GenerationMixin.prepare_inputs_for_generation` takes, so no deprecated
+    name is passed."""
+    for function in (getattr(model, method), generation_utils.GenerationMixin.prepare_inputs_for_generation):
+        params = inspect.signature(function).parameters
+        for name in ("cache", "past_key_values"):
+            if name in params:
+                return name
+    return "past_key_values"
 
 
 def forward_inputs(cache, cache_arg: str, logits_to_keep: int, call) -> dict[str, Any]:
@@ -87,6 +102,7 @@ class ModelInputs:
     def __init__(self, model, model_kwargs: dict, cache_arg: str, prompt_tokens: int, chunk_tokens: int) -> None:
         self.model = model
         self.cache_arg = cache_arg
+        self.prepare_cache_arg = cache_kwarg_name(model, "prepare_inputs_for_generation")
         self.kwargs = {k: v for k, v in model_kwargs.items() if k not in LOOP_INPUTS}
         prefill_only = [k for k in PREFILL_ONLY if self.kwargs.get(k) is not None]
         if prefill_only and prompt_tokens > chunk_tokens:
@@ -107,7 +123,7 @@ class ModelInputs:
                   position_ids: torch.Tensor, cache, first: bool, kwargs: dict) -> dict:
         inputs = self.model.prepare_inputs_for_generation(
             input_ids, next_sequence_length=length, attention_mask=mask, position_ids=position_ids,
-            inputs_embeds=inputs_embeds, is_first_iteration=first, **{self.cache_arg: cache}, **kwargs,
+            inputs_embeds=inputs_embeds, is_first_iteration=first, **{self.prepare_cache_arg: cache}, **kwargs,
         )
         return {k: v for k, v in inputs.items() if k not in (*CACHE_KWARGS, "use_cache", "logits_to_keep")}
 

@@ -103,6 +103,12 @@ REFUSED: dict[str, Refusal] = {
         "The dual decode attention implements neither (attention dropout applies in training mode only).",
         "Call model.eval() before generate(), or use the default cache for a model with attention sinks.",
     ),
+    "models without attention heads": Refusal(
+        "The dual cache holds the keys and values of attention layers, per KV head; a model whose config declares no "
+        "attention heads (num_attention_heads: state-space and recurrent models such as Mamba, RWKV, xLSTM) keeps "
+        "other state.",
+        "Use the default cache for this model.",
+    ),
     "layer types other than full and sliding-window attention": Refusal(
         "The dual cache serves full-attention layers from the host and keeps sliding windows on the device; other "
         "layers (linear attention, state-space layers, ...) keep other state.",

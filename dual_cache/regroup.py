@@ -6,8 +6,9 @@ whose rows are the chosen sequences of caches between requests, right-aligned on
 them: each sequence keeps its own tokens, pads (never selected, never attended) fill the left of the shorter ones,
 and the leading pads of its old batch are dropped. What a sequence's next decode step sees is unchanged: its keys and
 values (RoPE was applied with its own positions, which the decode loop keeps per row), its sink tokens, its window,
-its selector index (built per sequence from its first real token, so the same groups as before), and the query
-that selects its next entries (`DualLayer.next_query`). So a sequence decodes in the new cache as it would have in
+its selector index (built per sequence from its first real token, so the same groups as before), the query
+that selects its next entries (`DualLayer.next_query`) and its resident set (`DualLayer.next_resident`: the
+positions each layer held on the device, restored from the host store at its next step). So a sequence decodes in the new cache as it would have in
 the old one, token for token at any budget with the exact and lowbit selectors (the Quest baseline's pages are
 aligned to axis positions and may differ).
 """
@@ -159,6 +160,20 @@ def _regroup_dual(layer: DualLayer, sources, starts, offsets, axis: int, out: Du
             shifted = torch.where(mine >= start, mine - start + offset, -1)
             rows.append(torch.nn.functional.pad(shifted, (0, width - mine.shape[1]), value=-1))
         layer.next_attended = torch.stack(rows)
+    carried = [source.next_resident for source, _ in sources]
+    if any(c is not None for c in carried):  # each row's resident set, on the new axis (restored at its next step)
+        width = max(c[0].shape[2] for c in carried if c is not None)
+        positions, stamps = [], []
+        for c, (_, row), start, offset in zip(carried, sources, starts, offsets):
+            if c is None:  # not decoded yet: its first step starts from an empty set
+                positions.append(torch.full((kv_heads, width), -1, dtype=torch.long))
+                stamps.append(torch.zeros(kv_heads, width, dtype=torch.long))
+                continue
+            mine, when = c[0][row if c[0].shape[0] > 1 else 0], c[1][row if c[1].shape[0] > 1 else 0]
+            shifted = torch.where(mine >= start, mine - start + offset, -1)
+            positions.append(torch.nn.functional.pad(shifted, (0, width - mine.shape[1]), value=-1))
+            stamps.append(torch.nn.functional.pad(when, (0, width - when.shape[1]), value=0))
+        layer.next_resident = (torch.stack(positions), torch.stack(stamps))
     if layer.selector is not None:
         layer.selector.adopt([(source.selector, row) for source, row in sources], axis, out.sequences.first_real)
 

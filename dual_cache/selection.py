@@ -1,8 +1,9 @@
 """What a selection is asked for and what it returns, shared by the selectors and the transfer schedule.
 
-`Candidates` are the positions a selector may choose from for one layer's sequences; a `Selection` holds the entries
-chosen for one (step, layer): positions, validity and the gathered K/V, in host staging before its copy and in a
-device slot after it (docs/design.md §2, steps 1 and 3). Neither type knows selectors, schedules or caches.
+`Candidates` are the positions a selector may choose from for one layer's sequences; `Wanted` the positions a step
+wants resident (a selector's job returns them); a `Delta` the entries not resident yet, with their slots and K/V, in
+host staging before its copy and in a device buffer after it (docs/design.md §2, steps 1 and 3). None of them knows
+selectors, schedules or caches.
 `compact_positions` keeps the positions a step's selection attended, for the next step's (`fetch_next`).
 """
 
@@ -48,55 +49,61 @@ class Candidates:
 
 
 @dataclass
-class Selection:
-    """Entries chosen for one (step, layer).
+class Wanted:
+    """The positions a step wants resident for one layer (host tensors), as a selector's job returns them.
 
     Attributes:
-        indices: `(B, H_kv, k)` int64 positions, ascending.
-        valid: `(B, H_kv, k)` bool; False for padding slots.
-        keys, values: `(B, H_kv, k, D)` gathered K/V (host staging before the copy, device after).
+        positions: `(b, H_kv, S)` int64 positions (the selector's choice, then the next positions of what the real
+            token attended).
+        valid: `(b, H_kv, S)` bool, which of them are wanted.
+        used: `(b, H_kv, m)` int64 positions the previous step's real token attended (-1: none), or None: marked used
+            by the resident set (evicted last).
     """
 
-    indices: torch.Tensor
+    positions: torch.Tensor
     valid: torch.Tensor
+    used: torch.Tensor | None = None
+
+
+@dataclass
+class Delta:
+    """Entries to write into a layer's resident set (`resident_set.ResidentSet`): host staging before the copy, a
+    device buffer after it. Buffers hold `capacity` rows; a delta of `count` rows uses the leading ones, so its copy
+    is `count` contiguous rows of each tensor.
+
+    Attributes:
+        slots: `(capacity,)` int64 flat resident slots. positions: `(capacity,)` int64 token positions.
+        keys, values: `(capacity, D)` the entries' K/V.
+        count: rows in use.
+    """
+
+    slots: torch.Tensor
+    positions: torch.Tensor
     keys: torch.Tensor
     values: torch.Tensor
+    count: int = 0
+
+    @classmethod
+    def empty(cls, capacity: int, dim: int, dtype: torch.dtype, device, pin: bool = False) -> "Delta":
+        """Uninitialised buffers of `capacity` rows."""
+        return cls(torch.empty(capacity, dtype=torch.long, device=device, pin_memory=pin),
+                   torch.empty(capacity, dtype=torch.long, device=device, pin_memory=pin),
+                   torch.empty(capacity, dim, dtype=dtype, device=device, pin_memory=pin),
+                   torch.empty(capacity, dim, dtype=dtype, device=device, pin_memory=pin))
+
+    @property
+    def capacity(self) -> int:
+        return self.slots.shape[0]
+
+    def fields(self, rows: int | None = None) -> tuple[torch.Tensor, ...]:
+        """The leading `rows` (default `count`) rows of slots, positions, keys and values (contiguous views)."""
+        rows = self.count if rows is None else rows
+        return self.slots[:rows], self.positions[:rows], self.keys[:rows], self.values[:rows]
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the payload that crosses host→device (K, V, indices and validity)."""
-        return sum(t.nbytes for t in (self.indices, self.valid, self.keys, self.values))
-
-    @classmethod
-    def empty(cls, batch: int, kv_heads: int, tokens: int, dim: int, dtype: torch.dtype, device, pin: bool = False):
-        """Uninitialised buffers of `tokens` entries per (sequence, KV head)."""
-        return cls(
-            torch.empty(batch, kv_heads, tokens, dtype=torch.long, device=device, pin_memory=pin),
-            torch.empty(batch, kv_heads, tokens, dtype=torch.bool, device=device, pin_memory=pin),
-            torch.empty(batch, kv_heads, tokens, dim, dtype=dtype, device=device, pin_memory=pin),
-            torch.empty(batch, kv_heads, tokens, dim, dtype=dtype, device=device, pin_memory=pin),
-        )
-
-    def narrow(self, slots: int) -> "Selection":
-        """Views of the first `slots` entries of each (sequence, KV head)."""
-        return Selection(self.indices[..., :slots], self.valid[..., :slots], self.keys[..., :slots, :],
-                         self.values[..., :slots, :])
-
-    def tail(self, start: int) -> "Selection":
-        """Views of the entries from slot `start` on."""
-        return Selection(self.indices[..., start:], self.valid[..., start:], self.keys[..., start:, :],
-                         self.values[..., start:, :])
-
-    def copy_from(self, other: "Selection", non_blocking: bool = False) -> None:
-        """Copy `other`'s four tensors into these (same shapes)."""
-        for dst, src in zip((self.indices, self.valid, self.keys, self.values),
-                            (other.indices, other.valid, other.keys, other.values)):
-            dst.copy_(src, non_blocking=non_blocking)
-
-
-def selection_fields(selection: Selection) -> tuple[torch.Tensor, ...]:
-    """The four tensors of `selection` in copy order: indices, valid, keys, values."""
-    return selection.indices, selection.valid, selection.keys, selection.values
+        """Bytes of the rows in use: what crosses host→device."""
+        return sum(t.nbytes for t in self.fields())
 
 
 def compact_positions(positions: torch.Tensor, width: int) -> torch.Tensor:

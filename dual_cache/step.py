@@ -16,20 +16,11 @@ from typing import NamedTuple, Sequence
 import torch
 
 from .config import DualDecoderConfig
-from .model_inputs import ModelInputs, forward_inputs
+from .model_inputs import ModelInputs, cache_kwarg_name, forward_inputs
 from .repair import RepairPolicy
 from .speculators import make_speculator
 from .streams import to_device
 from .sync_points import uncounted
-
-
-def cache_kwarg_name(model: torch.nn.Module) -> str:
-    """Name of the forward argument that takes the cache on this transformers version (`cache` from 5.24,
-    `past_key_values` before)."""
-    import inspect
-
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 class StepOutput(NamedTuple):
@@ -115,7 +106,6 @@ class DualStep:
         if inputs is not None:
             model_inputs = inputs.step(**model_inputs, cache=cache)
         outputs = self.model(**model_inputs, **forward_inputs(cache, self.cache_arg, q, call))
-        cache.end_step(call)
         if q == 2:
             cache.crop(-1)  # only the real token's K/V are kept
         logits = outputs.logits.float()

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from .layer_types import check_attention_model
+
 KEY_PROJECTIONS = ("k_proj", "key", "qkv_proj", "query_key_value", "c_attn", "Wqkv")
 QUERY_PROJECTIONS = ("q_proj", "query", "qkv_proj", "query_key_value", "c_attn", "Wqkv")
 HEAD_SPLITTING = ("colwise",)  # styles that split a projection's output evenly over the ranks (by features)
@@ -83,8 +85,13 @@ def _text_config(config: Any) -> Any:
 
 
 def model_heads(config: Any) -> tuple[int, int]:
-    """`(query heads, KV heads)` of a model config (its text config for multimodal ones)."""
+    """`(query heads, KV heads)` of a model config (its text config for multimodal ones).
+
+    Raises:
+        ValueError: the refusal of a model the dual cache cannot serve (`layer_types.check_attention_model`).
+    """
     text = _text_config(config)
+    check_attention_model(text)
     q_heads = text.num_attention_heads
     return q_heads, getattr(text, "num_key_value_heads", None) or q_heads
 

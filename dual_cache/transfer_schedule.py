@@ -1,19 +1,25 @@
-"""Transfer schedule (docs/design.md §2, steps 1 and 3): retrieval jobs on a pool of host threads, their results copied
-into layer-scoped device slots `lookahead` layers before the layer needs them, every transfer ordered by streams and
-events (`streams.py`), never by a host wait on the launching thread.
+"""Transfer schedule (docs/design.md §2, steps 1 and 3): retrieval jobs on a pool of host threads, their deltas copied
+into layer-scoped device buffers `lookahead` layers before the layer needs them, every transfer ordered by streams
+and events (`streams.py`), never by a host wait on the launching thread.
 
-Per decode step every full-attention layer `l` with a budget uses one selection. Its retrieval job (the selector's
-choice, gather into the layer's host staging buffer) is submitted during the previous step, right after the layer's
-attention, with the speculated token's query on its way to the host (`query_to_host`: pinned staging, copy stream,
-an event the job waits on); it runs on one of `threads` host threads, so several layers' jobs are in flight at once
-(each touches only its own layer's store, index and staging, so the result does not depend on which thread runs it
-or when). Its host→device copy is enqueued on the copy stream when layer `l - lookahead` (cyclically, across steps)
-acquires its own selection, into the next slot of the ring of slots of its budget (`layers_in_flight` contiguous
-slots of exactly that budget, fixed in address for the request), after the event that marks the slot's previous
-user's attention as done; the compute stream waits for the copy's event when layer `l` acquires. The launching
-thread waits only for a retrieval job to finish (a host thread, not the device). On a CPU device the "device" is
-host memory and `HostStreams` makes every copy immediate; `SimulatedStreams` runs the same code with asynchronous
-copies (tests).
+Per decode step every full-attention layer `l` with a budget takes one delta: the entries its step wants resident
+that its resident set (`resident_set.py`) does not hold yet. Its retrieval job (the selector's choice, the resident
+set's plan, the gather of the delta's K/V into the layer's host staging) is submitted during the previous step,
+right after the layer's attention, with the speculated token's query on its way to the host (`query_to_host`:
+pinned staging, copy stream, an event the job waits on), together with what that step hands the next (its
+`chooser`: the query that chose, what the real token attended); it runs on one of `threads` host threads, so
+several layers' jobs are in flight at once (each touches only its own layer's store, index, resident mirror and
+staging, so the result does not depend on which thread runs it or when). Its host→device copy — the delta's rows
+only, a contiguous prefix of each staging tensor — is enqueued on the copy stream when layer `l - lookahead`
+(cyclically, across steps) acquires its own, into the next buffer of the ring of its capacity (`layers_in_flight`
+buffers, fixed in address for the request), after the event that marks the buffer's previous use as done; the
+compute stream waits for the copy's event when layer `l` acquires. The launching thread waits only for a retrieval
+job to finish (a host thread, not the device). On a CPU device the "device" is host memory and `HostStreams` makes
+every copy immediate; `SimulatedStreams` runs the same code with asynchronous copies (tests).
+
+Counted per request: bytes copied, the entries wanted and how many of them were resident already, and the host CPU
+time of the jobs (`retrieval_cpu_seconds`: the job thread's own time plus the native engine's worker threads',
+`engine.profiling`), the core-seconds the host spends per step.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .selection import Selection, selection_fields
+from .engine import profiling
+from .selection import Delta
 from .streams import elapsed_ms, make_streams
 
 
@@ -32,13 +39,13 @@ _Record = dict  # timeline entry of one (step, layer): seconds since the schedul
 
 
 class TransferSchedule:
-    """Retrieval on host threads, copies `lookahead` layers ahead into per-budget rings of `layers_in_flight` device
-    slots, ordered by streams and events.
+    """Retrieval on host threads, delta copies `lookahead` layers ahead into per-capacity rings of `layers_in_flight`
+    device buffers, ordered by streams and events.
 
     Args:
         device: where attention runs.
         layer_order: the layers that retrieve, in the order the model runs them.
-        layers_in_flight: device slots per ring (one ring per distinct budget among the layers).
+        layers_in_flight: device delta buffers per ring (one ring per distinct staging capacity among the layers).
         lookahead: layers between issuing a selection's copy and the layer that uses it; `< layers_in_flight`.
         threads: 0 runs each job synchronously at `submit` (the reference path); N ≥ 1 runs jobs on a pool of N
             host threads. With N ≥ 2 each pool thread runs its torch ops single-threaded (parallelism comes from
@@ -78,16 +85,18 @@ class TransferSchedule:
                                initargs=(1,) if threads > 1 else ())
             if threads > 0 else None
         )
-        self._pending: dict[int, tuple[Future | None, _Record]] = {}
-        self._issued: dict[int, tuple[Selection, _Record, object]] = {}  # layer -> (device slot, record, ready)
-        self._staging: dict[int, Selection] = {}
+        # layer -> (future or None, record, chooser): a submitted job not yet copied
+        self._pending: dict[int, tuple[Future | None, _Record, Any]] = {}
+        self._issued: dict[int, tuple[Delta, _Record, object, Any]] = {}  # layer -> (device delta, record, ready, chooser)
+        self._staging: dict[int, Delta] = {}
         self._staging_free: dict[int, object] = {}  # layer -> event: the copy out of its staging buffer is done
         self._queries: dict[tuple[int, str], torch.Tensor] = {}  # (layer, use) -> pinned host query buffer
-        self._rings: dict[int, list[Selection]] = {}  # budget -> its device slots
+        self._rings: dict[int, list[Delta]] = {}  # capacity -> its device buffers
         self._ring_next: dict[int, int] = {}
-        self._slot_free: dict[tuple[int, int], object] = {}  # (budget, slot) -> event: its last attention is done
-        self._in_use: dict[int, tuple[tuple[int, int], _Record, Selection]] = {}  # layer -> (slot key, record, slot)
-        self._repair_buffers: list[torch.Tensor] = []  # flat host buffers behind `repair` staging views
+        self._slot_free: dict[tuple[int, int], object] = {}  # (capacity, buffer) -> event: its last use is done
+        self._in_use: dict[int, tuple[tuple[int, int], _Record]] = {}  # layer -> (buffer key, record)
+        self._repair_staging: Delta | None = None  # host staging of synchronous repairs (one at a time)
+        self._repair_device: Delta | None = None
         self._repair_free = None
         self._last_repaired_step: int | None = None
         self._t0 = time.perf_counter()
@@ -100,6 +109,10 @@ class TransferSchedule:
         self.repairs = 0
         self.repaired_steps = 0
         self.repair_seconds = 0.0
+        self.drift_repairs = 0  # layers repaired for a drifted query
+        self.entries_wanted = 0  # entries the steps wanted resident (distinct per sequence and KV head)
+        self.entries_resident = 0  # of them, already resident (not copied)
+        self.retrieval_cpu_seconds = 0.0  # host CPU time of every retrieval and repair job
         # device clock (CUDA events; the simulated clock of `SimulatedStreams`; nothing on a CPU device): per step,
         # a timing event where its first layer enters `acquire`; per layer, (step, entry, before) around the launch
         # thread's host waits (nothing is queued on the compute stream between the two, so their gap is the device
@@ -134,18 +147,20 @@ class TransferSchedule:
         return buffer, self.streams.record("copy")
 
     # --- host side -----------------------------------------------------------------------------------
-    def submit(
-        self, layer_idx: int, job: Callable[[Selection], None], shape: tuple[int, int, int, int], dtype: torch.dtype
-    ) -> None:
+    def submit(self, layer_idx: int, job: Callable[[Delta], Any], capacity: int, dim: int, dtype: torch.dtype,
+               chooser: Any = None) -> None:
         """Schedule `job` for the next use of `layer_idx`.
 
         Args:
-            job: fills the given host staging `Selection` (indices, valid, keys, values) in place.
-            shape: `(B, H_kv, k, D)` of that selection; dtype: K/V dtype.
+            job: fills the given host staging `Delta` (its leading rows, setting `count`) and returns the plan it
+                made (`resident_set.Plan`: its `wanted` and `resident` counts are added up), or None.
+            capacity: rows of that staging (the most a step can copy); dim: head dim; dtype: K/V dtype.
+            chooser: what the step that submits hands the step that acquires (`acquire` returns it; `pending` reads
+                it while unacquired).
         """
         staging = self._staging.get(layer_idx)
-        if staging is None or tuple(staging.keys.shape) != tuple(shape) or staging.keys.dtype != dtype:
-            staging = Selection.empty(*shape, dtype=dtype, device="cpu", pin=self._pin)
+        if staging is None or staging.capacity != capacity or staging.keys.shape[1] != dim or staging.keys.dtype != dtype:
+            staging = Delta.empty(capacity, dim, dtype, "cpu", pin=self._pin)
             self._staging[layer_idx] = staging
         record = _Record(layer=layer_idx)
         free = self._staging_free.get(layer_idx)
@@ -155,22 +170,32 @@ class TransferSchedule:
                 free.synchronize()  # the previous copy out of this staging buffer has finished
             start = time.perf_counter()
             with torch.inference_mode():  # buffers are inference tensors (allocated under generate's mode)
-                job(staging)
+                plan, cpu = profiling.cpu_seconds(job, staging)
             end = time.perf_counter()
-            record.update(retrieval_start=start - self._t0, retrieval_end=end - self._t0)
+            record.update(retrieval_start=start - self._t0, retrieval_end=end - self._t0, retrieval_cpu=cpu,
+                          wanted=getattr(plan, "wanted", 0), resident=getattr(plan, "resident", 0))
 
         if self._executor is None:
             idle_from = self.streams.timed("compute")
             run()
             self._starved_since(idle_from)
             self.wait_seconds += record["retrieval_end"] - record["retrieval_start"]  # the compute side ran it
-            self._pending[layer_idx] = (None, record)
+            self._pending[layer_idx] = (None, record, chooser)
         else:
-            self._pending[layer_idx] = (self._executor.submit(run), record)
+            self._pending[layer_idx] = (self._executor.submit(run), record, chooser)
+
+    def pending(self, layer_idx: int) -> Any:
+        """The chooser submitted with `layer_idx`'s job that no step has acquired yet, or None."""
+        entry = self._pending.get(layer_idx)
+        if entry is None:
+            entry = self._issued.get(layer_idx)
+            return None if entry is None else entry[3]
+        return entry[2]
 
     # --- compute side --------------------------------------------------------------------------------
-    def acquire(self, layer_idx: int) -> Selection:
-        """The device selection of `layer_idx` for the running step; issues the copies `lookahead` layers ahead.
+    def acquire(self, layer_idx: int) -> tuple[Delta, Any]:
+        """The device delta of `layer_idx` for the running step (its `count` leading rows, ready on the compute
+        stream) and the chooser its job was submitted with; issues the copies `lookahead` layers ahead.
 
         Raises:
             KeyError: when no job was submitted for `layer_idx`.
@@ -185,7 +210,7 @@ class TransferSchedule:
             ahead = self._next_in_order[ahead]
             if ahead in self._pending and ahead not in self._issued:
                 self._issue_copy(ahead)
-        view, record, ready = self._issued.pop(layer_idx)
+        delta, record, ready, chooser = self._issued.pop(layer_idx)
         before = self.streams.timed("compute")
         self.streams.wait(ready, "compute")  # the device waits for the copy, not the host
         if before is not None:
@@ -195,76 +220,68 @@ class TransferSchedule:
             self._starved.append((step, entry, before))
             self._stalls.append((step, before, self.streams.timed("compute")))
         record.update(step=self.steps, attention_start=time.perf_counter() - self._t0)
-        self._in_use[layer_idx] = (record["slot_key"], record, view)
-        return view
+        self._in_use[layer_idx] = (record["slot_key"], record)
+        return delta, chooser
 
-    def repair(self, layer_idx: int, job: Callable[[Selection], None], rows: list[int]) -> None:
-        """Replace some sequences' entries of `layer_idx`'s acquired selection now, on the calling thread.
+    def repair(self, layer_idx: int, job: Callable[[Delta], Any], rows: list[int], capacity: int, dim: int,
+               dtype: torch.dtype, drifted: bool = False) -> Delta:
+        """Run a repair's `job` now, on the calling thread, and return its delta on the device (copied on the compute
+        stream, after the layer's prefetched delta and before its attention).
 
-        Miss repair: the rows whose prefetched selection was chosen with a mis-speculated token's query get the
-        selection of the real token's query instead. Synchronous by nature (that query exists only now): the
-        compute side waits for the job and the copy, both counted in `wait_seconds`, `repair_seconds` and
-        `bytes_copied`. On CUDA the copy is queued on the compute stream, after the prefetched copy and before
-        the layer's attention.
+        Miss repair: the rows whose prefetched entries were chosen with a mis-speculated token's query get the entries
+        of the real token's query instead. Synchronous by nature (that query exists only now): the compute side
+        waits for the job and the copy, both counted in `wait_seconds`, `repair_seconds` and `bytes_copied`.
 
         Args:
-            job: fills a host staging `Selection` of the acquired selection's shape `(B, H_kv, k[, D])`, every row.
-            rows: the sequences whose entries are replaced (indices into the batch, ascending).
+            job: fills a host staging `Delta` of `capacity` rows (as `submit`'s job) for `rows`.
+            rows: the sequences repaired (indices into the batch, ascending).
+            capacity, dim, dtype: of the staging. drifted: a repair for a drifted query (`drift_repairs`).
 
         Raises:
-            KeyError: if `layer_idx` has no acquired (unreleased) selection.
+            KeyError: if `layer_idx` has no acquired (unreleased) delta.
         """
-        _, record, view = self._in_use[layer_idx]
+        _, record = self._in_use[layer_idx]
         idle_from = self.streams.timed("compute")
         if self._repair_free is not None:
             self._repair_free.synchronize()  # the previous repair's copy out of the staging buffers has finished
-        staging = self._repair_staging(view)
+        staging = self._repair_staging
+        if staging is None or staging.capacity < capacity or staging.keys.shape[1] != dim or staging.keys.dtype != dtype:
+            staging = self._repair_staging = Delta.empty(capacity, dim, dtype, "cpu", pin=self._pin)
+            self._repair_device = Delta.empty(capacity, dim, dtype, self.device)
         start = time.perf_counter()
-        job(staging)
+        with torch.inference_mode():
+            plan, cpu = profiling.cpu_seconds(job, staging)
         self._starved_since(idle_from)
         copy_start = time.perf_counter()
-        # on the compute stream: after the prefetched copy (the stream waited for it at `acquire`), before attention
-        if len(rows) == view.keys.shape[0]:
-            for dst, src in zip(selection_fields(view), selection_fields(staging)):
-                dst.copy_(src, non_blocking=self._pin)
-            copied = staging.nbytes
-        else:
-            row_ids = torch.tensor(rows, dtype=torch.long)
-            device_rows = row_ids.to(self.device, non_blocking=self._pin)
-            copied = 0
-            for dst, src in zip(selection_fields(view), selection_fields(staging)):
-                picked = src.index_select(0, row_ids)
-                dst.index_copy_(0, device_rows, picked.to(self.device, non_blocking=self._pin))
-                copied += picked.nbytes
+        device = self._repair_device
+        device.count = staging.count
+        for dst, src in zip(device.fields(), staging.fields()):  # on the compute stream, in order
+            dst.copy_(src, non_blocking=self._pin)
         self._repair_free = self.streams.record("compute")
         end = time.perf_counter()
         if record["step"] != self._last_repaired_step:
             self.repaired_steps += 1
             self._last_repaired_step = record["step"]
         self.repairs += 1
+        self.drift_repairs += int(drifted)
         self.repair_seconds += end - start
         self.retrieval_seconds += copy_start - start
+        self.retrieval_cpu_seconds += cpu
         self.copy_seconds += end - copy_start
         self.wait_seconds += end - start
-        self.bytes_copied += copied
-        record.update(repaired_rows=len(rows), repair_seconds=end - start, bytes=record.get("bytes", 0) + copied,
-                      waited=record.get("waited", 0.0) + end - start)
+        self.bytes_copied += staging.nbytes
+        self._count(plan)
+        record.update(repaired_rows=len(rows), repair_seconds=end - start,
+                      bytes=record.get("bytes", 0) + staging.nbytes, waited=record.get("waited", 0.0) + end - start)
+        return Delta(*device.fields(), count=device.count)
 
-    def _repair_staging(self, like: Selection) -> Selection:
-        """Host staging (pinned on CUDA) of `like`'s shape: contiguous views of flat buffers that grow to the
-        largest selection repaired, shared by every layer (repairs run one at a time)."""
-        shapes = [like.indices.shape, like.valid.shape, like.keys.shape, like.values.shape]
-        dtypes = [like.indices.dtype, like.valid.dtype, like.keys.dtype, like.values.dtype]
-        numels = [int(torch.Size(shape).numel()) for shape in shapes]
-        if not self._repair_buffers or any(b.numel() < n for b, n in zip(self._repair_buffers, numels)):
-            self._repair_buffers = [
-                torch.empty(n, dtype=d, pin_memory=self._pin) for n, d in zip(numels, dtypes)
-            ]
-        return Selection(*(b[:n].view(shape) for b, n, shape in zip(self._repair_buffers, numels, shapes)))
+    def _count(self, plan: Any) -> None:
+        self.entries_wanted += getattr(plan, "wanted", 0)
+        self.entries_resident += getattr(plan, "resident", 0)
 
     def release(self, layer_idx: int) -> None:
-        """`layer_idx`'s attention is queued on the compute stream; its slot may be reused after it."""
-        slot_key, record, _ = self._in_use.pop(layer_idx)
+        """`layer_idx`'s delta has been applied (queued on the compute stream); its buffer may be reused after it."""
+        slot_key, record = self._in_use.pop(layer_idx)
         self._slot_free[slot_key] = self.streams.record("compute")
         record["attention_end"] = time.perf_counter() - self._t0
         if self.record_timeline:
@@ -277,21 +294,26 @@ class TransferSchedule:
             self._starved.append((len(self._step_marks) - 1, mark, self.streams.timed("compute")))
 
     def _issue_copy(self, layer_idx: int) -> None:
-        future, record = self._pending.pop(layer_idx)
+        future, record, chooser = self._pending.pop(layer_idx)
         start = time.perf_counter()
         if future is not None:
             future.result()  # re-raises a failed job here, on the compute side (a host thread, not the device)
         waited = time.perf_counter() - start
         self.wait_seconds += waited
         self.retrieval_seconds += record["retrieval_end"] - record["retrieval_start"]
+        self.retrieval_cpu_seconds += record["retrieval_cpu"]
+        self.entries_wanted += record["wanted"]
+        self.entries_resident += record["resident"]
         staging = self._staging[layer_idx]
         slot_key, slot = self._slot(staging)
         copy_start = time.perf_counter()
         free = self._slot_free.get(slot_key)
         if free is not None:
-            self.streams.wait(free, "copy")  # the slot's previous attention has read it
-        for dst, src in zip(selection_fields(slot), selection_fields(staging)):
-            self.streams.copy(dst, src)
+            self.streams.wait(free, "copy")  # the buffer's previous delta has been applied
+        slot.count = staging.count
+        if staging.count:
+            for dst, src in zip(slot.fields(), staging.fields()):
+                self.streams.copy(dst, src)
         ready = self.streams.record("copy")
         self._staging_free[layer_idx] = ready
         copy_end = time.perf_counter()
@@ -303,29 +325,31 @@ class TransferSchedule:
             waited=waited, copy_start=copy_start - self._t0, copy_end=copy_end - self._t0, slot=slot_key[1],
             slot_key=slot_key, bytes=staging.nbytes,
         )
-        self._issued[layer_idx] = (slot, record, ready)
+        self._issued[layer_idx] = (Delta(*slot.fields(), count=slot.count), record, ready, chooser)
 
-    def _slot(self, like: Selection) -> tuple[tuple[int, int], Selection]:
-        """The next slot of the ring of `like`'s budget: `(B, H_kv, budget[, D])` contiguous device buffers, made on
-        first use and kept (fixed addresses) until `close`."""
-        budget = like.keys.shape[2]
-        ring = self._rings.get(budget)
+    def _slot(self, like: Delta) -> tuple[tuple[int, int], Delta]:
+        """The next device buffer of the ring of `like`'s capacity (`layers_in_flight` of them, made on first use and
+        kept, fixed in address, until `close`)."""
+        capacity = like.capacity
+        ring = self._rings.get(capacity)
         if ring is None:
-            batch, kv_heads, _, dim = like.keys.shape
-            ring = [Selection.empty(batch, kv_heads, budget, dim, like.keys.dtype, self.device)
+            ring = [Delta.empty(capacity, like.keys.shape[1], like.keys.dtype, self.device)
                     for _ in range(self.layers_in_flight)]
-            self._rings[budget] = ring
-            self._ring_next[budget] = 0
-        index = self._ring_next[budget]
-        self._ring_next[budget] = (index + 1) % self.layers_in_flight
-        return (budget, index), ring[index]
+            self._rings[capacity] = ring
+            self._ring_next[capacity] = 0
+        index = self._ring_next[capacity]
+        self._ring_next[capacity] = (index + 1) % self.layers_in_flight
+        return (capacity, index), ring[index]
 
     # --- accounting ----------------------------------------------------------------------------------
     @property
     def device_bytes(self) -> int:
-        """Bytes of the device slots (K, V, indices and validity): `layers_in_flight` per distinct layer budget,
-        independent of context and layer count."""
-        return sum(slot.nbytes for ring in self._rings.values() for slot in ring)
+        """Bytes of the device delta buffers (slots, positions, K, V): `layers_in_flight` per distinct staging
+        capacity, independent of context and layer count (the resident sets are the layers')."""
+        buffers = [slot for ring in self._rings.values() for slot in ring]
+        if self._repair_device is not None:
+            buffers.append(self._repair_device)
+        return sum(t.nbytes for buffer in buffers for t in buffer.fields(buffer.capacity))
 
     def _read_device_clock(self) -> None:
         """Sum the timing event pairs of the steps the next step's mark closes (all but the last) into
@@ -359,7 +383,7 @@ class TransferSchedule:
     # --- lifecycle -----------------------------------------------------------------------------------
     def reset(self) -> None:
         """Drop pending jobs and issued copies (waiting for a running job); keep the slots."""
-        for future, _ in self._pending.values():
+        for future, _, _ in self._pending.values():
             if future is not None:
                 future.cancel()
                 if not future.cancelled():
@@ -388,6 +412,6 @@ class TransferSchedule:
                 self._staging.clear()
                 self._staging_free.clear()
                 self._queries.clear()
-                self._repair_buffers = []
+                self._repair_staging = self._repair_device = None
                 self._repair_free = None
                 self._slot_free.clear()

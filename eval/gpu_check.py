@@ -43,31 +43,44 @@ def small_real_shaped_config(tiny: bool):
     )
 
 
+def record_attended(cache) -> list:
+    """Record, for every decode step of every full-attention layer with a budget, what the real token attends to of
+    its resident set (after the step's delta and any miss repair): `(layer, positions, valid, keys)` host copies in a
+    slot-order-free form (`resident_set.attended_entries`). Wraps each layer's `begin_attention` when the cache
+    starts a request's schedule (its layers are built by then); the tests use it too."""
+    from ..resident_set import attended_entries
+
+    recorded = []
+    original_ensure = cache._ensure_schedule
+
+    def ensure(device):
+        original_ensure(device)
+        for layer in cache.dual_layers:
+            if layer.budget == 0 or getattr(layer, "_recorded", False):
+                continue
+            begin = layer.begin_attention
+
+            def spy(*args, layer=layer, begin=begin, **kwargs):
+                step = begin(*args, **kwargs)
+                recorded.append((layer.layer_idx, *attended_entries(step.segments[1])))
+                return step
+
+            layer.begin_attention = spy
+            layer._recorded = True
+
+    cache._ensure_schedule = ensure
+    return recorded
+
+
 def _generate(model, ids, new_tokens: int, **cache_options):
-    """Greedy tokens and, with cache options, the selections each layer's attention read, as host tensors."""
+    """Greedy tokens and, with cache options, the entries each layer's attention read (`record_attended`: layer,
+    positions, valid), as host tensors."""
     if not cache_options:
         return model.generate(ids, max_new_tokens=new_tokens, do_sample=False).cpu(), []
     cache = DualDecoderCache(model.config, **cache_options)
-    recorded = []
-    ensure = cache._ensure_schedule
-
-    def spying_ensure(device):
-        fresh = cache.schedule is None
-        ensure(device)
-        if fresh:
-            schedule = cache.schedule
-            release = schedule.release
-
-            def spy(layer_idx):  # at release: the entries attention read, after any miss repair
-                view = schedule._in_use[layer_idx][2]
-                recorded.append((layer_idx, view.indices.to("cpu", copy=True), view.valid.to("cpu", copy=True)))
-                release(layer_idx)
-
-            schedule.release = spy
-
-    cache._ensure_schedule = spying_ensure
+    recorded = record_attended(cache)
     tokens = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, cache=cache).cpu()
-    return tokens, recorded
+    return tokens, [(layer, positions, valid) for layer, positions, valid, _ in recorded]
 
 
 def _same_selections(a, b) -> bool:

@@ -64,42 +64,11 @@ def six_layer_llama(seed: int):
     return LlamaForCausalLM(config).eval()
 
 
-def record_selections(cache, at: str = "acquire") -> list:
-    """Wrap the cache's schedule (created lazily) so every selection is recorded as `(layer, indices, valid, keys)`
-    clones: at `"acquire"` (what was prefetched) or at `"release"` (what attention read, after any miss repair)."""
-    recorded = []
-    original_ensure = cache._ensure_schedule
+def record_selections(cache) -> list:
+    """What each decode step's attention read of every layer's resident set (`gpu_check.record_attended`)."""
+    from dual_cache.eval.gpu_check import record_attended
 
-    def ensure(device):
-        original_ensure(device)
-        schedule = cache.schedule
-        if getattr(schedule, "_spied", False):
-            return
-
-        def keep(layer_idx, view):
-            recorded.append((layer_idx, view.indices.clone(), view.valid.clone(), view.keys.clone()))
-
-        if at == "acquire":
-            acquire = schedule.acquire
-
-            def spy(layer_idx):
-                view = acquire(layer_idx)
-                keep(layer_idx, view)
-                return view
-
-            schedule.acquire = spy
-        else:
-            release = schedule.release
-
-            def spy(layer_idx):
-                keep(layer_idx, schedule._in_use[layer_idx][2])
-                release(layer_idx)
-
-            schedule.release = spy
-        schedule._spied = True
-
-    cache._ensure_schedule = ensure
-    return recorded
+    return record_attended(cache)
 
 
 @pytest.fixture(scope="session")

@@ -172,7 +172,7 @@ def test_a_shared_prefix_at_partial_budget_selects_per_sequence_with_repairs():
     options = {"budget": 16, "window": 8, "early_layers": 0, "miss_repair": True}
     with DualDecoderCache(model.config, **options) as cache:
         model.generate(document, max_new_tokens=1, do_sample=False, cache=cache)
-        recorded = record_selections(cache, at="release")
+        recorded = record_selections(cache)
         out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, cache=cache)
         assert out.shape == (3, ids.shape[1] + 6) and cache.stats()["repairs"] > 0
     _, indices, valid, _ = recorded[-1]

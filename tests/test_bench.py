@@ -112,10 +112,11 @@ def test_dual_memory_and_copies_per_request(result, method):
     # grid: n_sink 4, window 16, budget 16, early_layers 1 with early_layer_budget 32, layers_in_flight 2 (default)
     window = 16
     layer_budgets = [32, 16, 16]
-    # entries per (layer, KV head) each step copies: the library defaults fetch 2 × budget plus budget next positions;
-    # dual-no-repair and the forced-miss repairs fetch the budget alone, and Quest selects the budget at the step
-    slots = layer_budgets if method in ("quest", "dual-no-repair", "dual-forced-miss") else [3 * b for b in layer_budgets]
-    entry = 2 * HEAD_DIM * ITEM + 8 + 1  # per selected entry: key + value, int64 index, bool validity
+    # entries per (layer, KV head) a step wants resident: the library defaults fetch the budget plus budget next
+    # positions; dual-no-repair and the forced-miss repairs fetch the budget alone, and Quest selects the budget at the
+    # step; only those not resident yet are copied (a delta row: key + value, int64 slot, int64 position)
+    wants = layer_budgets if method in ("quest", "dual-no-repair", "dual-forced-miss") else [2 * b for b in layer_budgets]
+    entry = 2 * HEAD_DIM * ITEM + 8 + 8
     rows = [r for r in result.cells if r["method"] == method and r["batch"] <= 2]
     assert rows
     device = {(r["context"], r["batch"]): r["device_bytes_per_request"] for r in rows}
@@ -125,31 +126,28 @@ def test_dual_memory_and_copies_per_request(result, method):
         assert len(set(device.values())) == 1, device
     for row in rows:
         tokens = row["context"] + row["new_tokens"] - 1
-        assert row["device_bytes_per_request"] < row["dense_equivalent_bytes_per_request"] or \
-            row["context"] == CONTEXTS[0]
         assert row["dense_equivalent_bytes_per_request"] == 2 * LAYERS * KV_HEADS * tokens * HEAD_DIM * ITEM
         assert row["host_bytes_per_request"] >= row["dense_equivalent_bytes_per_request"]
-        # host→device, whole batch: every layer's selection (entries as above) each decode step; the dual pipeline
-        # also copies the first layer's selection for the step after the last one (lookahead 1: issued while the
-        # last layer runs, never used), Quest selects at the step that uses it
+        # host→device, whole batch: each step's delta; at most what every step wants (the dual pipeline also
+        # plans the first layer's step after the last one: lookahead 1, issued while the last layer runs, never
+        # used; Quest selects at the step that uses it), at least the first step's budget per layer, whose
+        # resident sets start empty
         steps = row["decode_steps"]
-        total = steps * sum(slots) + (0 if method == "quest" else slots[0])
-        prefetched = row["batch"] * KV_HEADS * total * entry
-        # miss repair (dual-forced-miss) redoes the selection of a missed step (the first step always) in every layer
-        # where the candidates outnumber the budget, copying the rows that missed: between one row and the whole
-        # batch per repaired step
+        most = row["batch"] * KV_HEADS * (steps * sum(wants) + (0 if method == "quest" else wants[0]))
+        # miss repair (dual-forced-miss) adds the real query's selection of a missed step (the first step always) in
+        # every layer where the candidates outnumber the budget, for the rows that missed
         repaired_steps = round(row["repaired_fraction"] * steps)
         repairing = [b for b in layer_budgets if row["context"] - window > b]
         if method == "dual-forced-miss":
             assert repaired_steps >= 1
         else:
             assert repaired_steps == 0
-        per_row = repaired_steps * KV_HEADS * sum(repairing) * entry
-        copied = row["bytes_copied_per_step"] * steps
-        if row["batch"] == 1:
-            assert copied == prefetched + per_row
-        else:
-            assert prefetched + per_row <= copied <= prefetched + row["batch"] * per_row
+        most += repaired_steps * row["batch"] * KV_HEADS * sum(repairing)
+        copied = round(row["bytes_copied_per_step"] * steps)
+        assert copied % entry == 0
+        assert row["batch"] * KV_HEADS * sum(layer_budgets) <= copied // entry <= most
+        assert row["bytes_copied_per_sequence_step"] == pytest.approx(row["bytes_copied_per_step"] / row["batch"])
+        assert 0 <= row["resident_share"] <= 1 and row["host_core_ms_per_sequence_step"] > 0
 
 
 def test_offloaded_accounting_on_a_dynamic_cache(model):
@@ -357,3 +355,43 @@ def test_sync_points_blocked_time_and_sampling_per_cell(model):
     assert "sync/step" in table and "blocked ms/step" in table
     uncounted = run_cell(model, prompts, "dual-self", 72, 1, 16, small_grid(count_sync_points=False))
     assert math.isnan(uncounted["sync_points_per_step"]) and math.isfinite(uncounted["blocked_ms_per_step"])
+
+
+def test_progress_names_each_cell_k_of_n_and_moves_inside_a_cell(model, monkeypatch):
+    """With `progress`, one bar counts the grid's cells and names the running one ("cell k of N: method@budget
+    context × batch"), and each cell draws its prefill (by layer) and decode (by token) bars; the JSON lines still
+    come (through `tqdm.write`)."""
+    from dual_cache import progress
+
+    bars, written = [], []
+
+    class Recorder:
+        def __init__(self, total=None, desc="", **kwargs):
+            self.total, self.desc, self.n, self.descriptions = total, desc, 0, []
+            bars.append(self)
+
+        def update(self, n=1):
+            self.n += n
+
+        def set_description(self, text):
+            self.descriptions.append(text)
+
+        def close(self):
+            pass
+
+        @staticmethod
+        def write(line):
+            written.append(line)
+
+    monkeypatch.setattr(bench, "tqdm", Recorder)
+    monkeypatch.setattr(progress, "tqdm", Recorder)
+    grid = small_grid(methods=("dense", "dual-self"), batches=(1,), contexts=(40,))
+    bench.run_bench(model, None, grid, model_name="tiny", progress=True)
+    cells = bars[0]
+    assert cells.total == cells.n == 2
+    assert cells.descriptions == ["cell 1 of 2: dense 40 tokens × 1", "cell 2 of 2: dual-self@16 40 tokens × 1"]
+    prefill = [b for b in bars if b.desc == "prefill"]
+    decode = [b for b in bars if b.desc == "decode"]
+    assert prefill and all(b.n == b.total == LAYERS for b in prefill)  # one chunk: its layers
+    assert decode and all(b.n == b.total for b in decode)
+    assert sum(line.startswith("{") for line in written) == 2

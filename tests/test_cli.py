@@ -99,7 +99,7 @@ def test_cache_config_fields_are_kept_and_the_flags_given_override_them(tmp_path
         assert (config.budget, config.early_layers, config.n_sink, config.miss_repair) == (128, 0, 8, False)
     args = cli.build_parser().parse_args(["generate", "--prompt-file", "x", "--question", "q"])
     defaults = cli._dual_config(args)
-    assert defaults.replace(prefill_progress=False) == cli.DualDecoderConfig()
+    assert defaults == cli.DualDecoderConfig()  # progress bars are the command's (`--quiet`), not the config's
 
 
 @pytest.mark.parametrize("text, message", [
@@ -153,3 +153,52 @@ def test_a_request_past_the_host_memory_limit_is_one_line(monkeypatch, capsys):
     assert cli.main(["generate", "--prompt-file", "README.md", "--question", "q"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: the request needs 9 GiB")
+
+
+def test_progress_bars_move_by_layer_in_a_one_chunk_prefill_and_by_token_in_decode(monkeypatch):
+    """`GenerationProgress` on the dense default cache and on the dual cache: the prefill bar moves once per layer
+    of every chunk (a one-chunk prompt does not sit at 0%), the decode bar once per token; its hooks are gone after."""
+    import torch
+
+    from dual_cache import progress
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama()
+    layers = progress.decoder_layers(model)
+    assert len(layers) == model.config.num_hidden_layers
+    seen = []
+
+    class Recorder:
+        def __init__(self, total=None, desc="", **kwargs):
+            self.total, self.desc, self.n = total, desc, 0
+            seen.append(self)
+
+        def update(self, n=1):
+            self.n += n
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(progress, "tqdm", Recorder)
+    ids = torch.randint(5, 90, (1, 40), generator=torch.Generator().manual_seed(0))
+    for cache_kwargs, chunk in (({}, 40), ({"cache_implementation": "dual",
+                                             "cache_config": {"budget": 8, "window": 4, "prefill_chunk_size": 16}}, 16)):
+        seen.clear()
+        with progress.GenerationProgress(model, 40, chunk, 5, enabled=True) as bars:
+            model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False, streamer=bars, **cache_kwargs)
+        prefill, decode = seen
+        assert prefill.total == prefill.n == -(-40 // chunk) * len(layers), (prefill.total, prefill.n)
+        assert decode.total == 5 and decode.n == 5
+        assert all(not layer._forward_pre_hooks for layer in layers)
+
+
+def test_progress_is_shown_only_on_a_terminal_and_never_with_quiet():
+    import io
+
+    from dual_cache.progress import shown
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert shown(stream=Terminal()) and not shown(quiet=True, stream=Terminal()) and not shown(stream=io.StringIO())

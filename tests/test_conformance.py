@@ -422,6 +422,59 @@ def test_layer_types_other_than_full_and_sliding_are_refused_when_the_cache_is_b
         DualDecoderCache(config, **FULL)
 
 
+def _tiny_non_attention_models():
+    """Tiny random models of every kind the dual cache refuses by its config: state-space and recurrent models without
+    attention heads (Mamba, RWKV), and hybrids whose attention layers sit between state-space ones (Jamba, Bamba)."""
+    from transformers import (BambaConfig, BambaForCausalLM, JambaConfig, JambaForCausalLM, MambaConfig,
+                              MambaForCausalLM, RwkvConfig, RwkvForCausalLM)
+
+    small = {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2}
+    mamba = {"mamba_d_state": 4, "mamba_d_conv": 2, "mamba_expand": 2}
+    heads = {"num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 32}
+    return {
+        "mamba": (MambaForCausalLM, MambaConfig(**small, state_size=4, expand=2, conv_kernel=2),
+                  "models without attention heads"),
+        "rwkv": (RwkvForCausalLM, RwkvConfig(**small, attention_hidden_size=16, intermediate_size=32, context_length=64),
+                 "models without attention heads"),
+        "jamba": (JambaForCausalLM, JambaConfig(**small, **heads, **mamba, attn_layer_period=2, attn_layer_offset=1,
+                                                 expert_layer_period=2, expert_layer_offset=1, num_experts=2,
+                                                 mamba_dt_rank=4),
+                  "layer types other than full and sliding-window attention"),
+        "bamba": (BambaForCausalLM, BambaConfig(**small, **heads, **mamba, mamba_n_heads=2, mamba_d_head=16,
+                                                 attn_layer_indices=[1]),
+                  "layer types other than full and sliding-window attention"),
+    }
+
+
+@pytest.mark.parametrize("kind", ["mamba", "rwkv", "jamba", "bamba"])
+def test_models_without_attention_or_with_other_layers_are_refused_before_any_work(kind):
+    """generate(cache_implementation="dual"), a cache built from the config and a cache of another model checked
+    against this one all raise the refusal's ValueError (never an AttributeError from a missing attention field),
+    with no thread or host memory left behind."""
+    model_class, config, refused = _tiny_non_attention_models()[kind]
+    torch.manual_seed(0)
+    m = model_class(config).eval()
+    threads, host = threading.active_count(), live_host_bytes()
+    expected = re.escape(f"does not serve {refused}. {REFUSED[refused].why}")
+    with pytest.raises(ValueError, match=expected):
+        m.generate(prompt(8, batch=1) % 64, max_new_tokens=2, do_sample=False, cache_implementation="dual")
+    with pytest.raises(ValueError, match=expected):
+        DualDecoderCache(m.config, **FULL)
+    with pytest.raises(ValueError, match=expected):
+        DualDecoderCache(tiny_llama().config, **FULL).check_model(m)
+    assert threading.active_count() == threads and live_host_bytes() == host
+
+
+@pytest.mark.parametrize("config_name", ["ZambaConfig", "Zamba2Config", "xLSTMConfig", "FalconMambaConfig"])
+def test_other_configs_without_served_attention_are_refused(config_name):
+    """Configs whose tiny models do not build here (their defaults are enough to be refused)."""
+    import transformers
+
+    config = getattr(transformers, config_name)()
+    with pytest.raises(ValueError, match="the dual cache does not serve (models without attention heads|layer types)"):
+        DualDecoderCache(config, **FULL)
+
+
 def test_every_mode_but_greedy_and_sampling_is_refused():
     served = {GenerationMode.GREEDY_SEARCH.value, GenerationMode.SAMPLE.value}
     assert {mode.value for mode in GenerationMode} - served <= set(REFUSED)

@@ -5,19 +5,16 @@ from __future__ import annotations
 import argparse
 
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from dual_cache.eval.quality.natural_text import natural_prompt_ids
 from dual_cache.eval.selection import miss_candidates as tool
+from dual_cache.eval.selection.decode_steps import use_recorder
 from tests.conftest import tiny_llama
 
 
 def test_every_candidate_is_scored_on_a_tiny_model():
     model = tiny_llama(seed=3)
-    AttentionInterface.register(tool.RECORDER, tool._recorder)
-    AttentionMaskInterface.register(tool.RECORDER, sdpa_mask)
-    model.set_attn_implementation(tool.RECORDER)
+    use_recorder(model)
     args = argparse.Namespace(steps=6, budget=8, n_sink=2, window=4, skip_layers=0, factors=[1, 2], leads=[1],
                               cosines=[0.9])
     scores = tool.Scores()

@@ -1,16 +1,17 @@
 """Miss repair: steps whose entries were chosen by a mis-speculated token are re-selected with the real token's
-query. Reference: the `"oracle"` selector, which always selects with the real token's query."""
+query, synchronously: what the step attends to then holds the real query's own exact top-k (the `"oracle"`
+selector's choice)."""
 
 import pytest
 import torch
 
 from dual_cache import DualDecoderCache, DualDecoderConfig
 from dual_cache.transfer_schedule import TransferSchedule
-from dual_cache.selection import Selection
+from dual_cache.selection import Delta
 from tests.conftest import record_selections, six_layer_llama
 
 NEVER = 95  # a token id the tests forbid the model to emit; the speculator always proposes it
-# the synchronous repair option as defined against the oracle: the selection of exactly the budget, no re-rank
+# the synchronous repair option: each step's own selection of exactly the budget, added to the resident set
 SYNC = {"miss_repair": True, "fetch_factor": 1, "fetch_next": False}
 
 
@@ -23,26 +24,62 @@ def always_miss(monkeypatch):
                         lambda self, sequences, chained, hit: [NEVER] * len(sequences))
 
 
+def contains_real_top(cache) -> list[bool]:
+    """Per (decode step, layer with a budget): whether the entries the step attends to include its real token's own
+    exact top-budget (`Selector.select_exact` with the real query at slot 0), in every sequence and KV head: what
+    miss repair guarantees. Wraps each layer's `begin_attention` when the request's schedule starts."""
+    from dual_cache.selection import Candidates
+
+    seen = []
+    ensure = cache._ensure_schedule
+
+    def spying(device):
+        ensure(device)
+        for layer in cache.dual_layers:
+            if layer.budget == 0 or getattr(layer, "_checked", False):
+                continue
+            begin = layer.begin_attention
+
+            def spy(query, scaling, rows, softcap=None, layer=layer, begin=begin):
+                step = begin(query, scaling, rows, softcap)
+                committed = layer.get_seq_length() - query.shape[2]
+                end = committed - layer.config.window
+                candidates = Candidates(layer.sequences.candidates_below(end), layer.sequences.first_real)
+                top, valid = layer.selector.select_exact(query[:, :, 0].float().cpu(), candidates, scaling,
+                                                         layer.request_budget)
+                resident = step.segments[1]
+                held = resident.positions.expand_as(resident.valid).cpu()
+                held = torch.where(resident.valid.cpu(), held, -1)
+                seen.append(bool(all(set(top[b, h][valid[b, h]].tolist()) <= set(held[b, h].tolist())
+                                     for b in range(top.shape[0]) for h in range(top.shape[1]))))
+                return step
+
+            layer.begin_attention = spy
+            layer._checked = True
+
+    cache._ensure_schedule = spying
+    return seen
+
+
 @pytest.mark.parametrize("threads", [0, 1])
-def test_repair_on_every_step_reproduces_the_oracle_selector(always_miss, threads):
+def test_repair_on_every_step_makes_the_real_queries_own_top_k_resident(always_miss, threads):
+    """Every step misses: each layer repairs, so what the real token attends to holds its own exact top-k (the
+    oracle selector's choice), with the resident set's other entries beside it."""
     model = six_layer_llama(seed=7)
     ids = torch.randint(3, 90, (2, 300), generator=torch.Generator().manual_seed(8))
     base = {"budget": 16, "n_sink": 4, "window": 8, "early_layers": 1, "early_layer_budget": 24,
             "retrieval_threads": threads, "layer_budgets": {3: 0}, **SYNC}
-    kwargs = dict(max_new_tokens=12, do_sample=False, bad_words_ids=[[NEVER]])
-    runs = {}
-    for name, options in (("repair", {"selector": "exact"}), ("oracle", {"selector": "oracle"})):
-        cache = DualDecoderCache(model.config, **base, **options)
-        recorded = record_selections(cache, at="release")
-        runs[name] = (model.generate(ids, cache=cache, **kwargs), recorded, cache.stats())
-    (repair_ids, repair_sel, stats), (oracle_ids, oracle_sel, _) = runs["repair"], runs["oracle"]
-    assert torch.equal(repair_ids, oracle_ids)
-    assert len(repair_sel) == len(oracle_sel) == 11 * 5  # 11 decode forwards × 5 layers with a budget
-    for (layer_a, idx_a, valid_a, keys_a), (layer_b, idx_b, valid_b, keys_b) in zip(repair_sel, oracle_sel):
-        assert layer_a == layer_b
-        assert torch.equal(idx_a, idx_b) and torch.equal(valid_a, valid_b) and torch.equal(keys_a, keys_b)
+    cache = DualDecoderCache(model.config, **base, selector="exact")
+    seen = contains_real_top(cache)
+    model.generate(ids, cache=cache, max_new_tokens=12, do_sample=False, bad_words_ids=[[NEVER]])
+    stats = cache.stats()
+    assert len(seen) == 11 * 5 and all(seen)  # 11 decode forwards × 5 layers with a budget
     assert stats["spec_hits"] == 0
     assert stats["repairs"] == 11 * 5 and stats["repaired_steps"] == 11
+    cache = DualDecoderCache(model.config, **{**base, "miss_repair": False}, selector="exact")
+    seen = contains_real_top(cache)
+    model.generate(ids, cache=cache, max_new_tokens=12, do_sample=False, bad_words_ids=[[NEVER]])
+    assert not all(seen)  # without the repair, the mis-speculated token's choice lacks some of them
 
 
 def test_no_repair_keeps_the_prefetched_selection(always_miss):
@@ -68,27 +105,35 @@ def test_full_budget_with_repair_matches_dense_and_skips_the_repair():
     assert out.cache.stats()["repairs"] == 0  # every candidate fits the budget: any query selects them all
 
 
-def test_schedule_repair_replaces_only_the_missed_rows():
+def test_schedule_repair_copies_the_repair_delta_after_the_prefetched_one():
+    """`TransferSchedule.repair` runs its job now and returns its delta on the device; the prefetched delta stays as
+    acquired; bytes count both deltas' rows."""
     schedule = TransferSchedule("cpu", layer_order=[0], layers_in_flight=1, lookahead=0, threads=0)
-    shape = (3, 2, 4, 5)
     generator = torch.Generator().manual_seed(3)
-    prefetched = Selection(torch.randint(0, 50, shape[:3], generator=generator), torch.ones(shape[:3], dtype=torch.bool),
-                           torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
-    repaired = Selection(torch.randint(50, 99, shape[:3], generator=generator), torch.zeros(shape[:3], dtype=torch.bool),
-                         torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
-    schedule.submit(0, lambda staging: staging.copy_from(prefetched), shape, torch.float32)
-    view = schedule.acquire(0)
-    schedule.repair(0, lambda staging: staging.copy_from(repaired), [1])
-    for used, before, after in zip((view.indices, view.valid, view.keys, view.values),
-                                   (prefetched.indices, prefetched.valid, prefetched.keys, prefetched.values),
-                                   (repaired.indices, repaired.valid, repaired.keys, repaired.values)):
-        assert torch.equal(used[0], before[0]) and torch.equal(used[2], before[2])
-        assert torch.equal(used[1], after[1])
+
+    def filler(count, first_slot):
+        def job(staging: Delta):
+            staging.count = count
+            staging.slots[:count] = torch.arange(first_slot, first_slot + count)
+            staging.positions[:count] = torch.randint(0, 99, (count,), generator=generator)
+            staging.keys[:count] = torch.randn(count, 5, generator=generator)
+            staging.values[:count] = torch.randn(count, 5, generator=generator)
+            return None
+        return job
+
+    schedule.submit(0, filler(7, 0), 24, 5, torch.float32, chooser="handoff")
+    prefetched, chooser = schedule.acquire(0)
+    assert chooser == "handoff" and prefetched.count == 7
+    before = [t.clone() for t in prefetched.fields()]
+    repaired = schedule.repair(0, filler(3, 10), [1], 24, 5, torch.float32)
+    assert repaired.count == 3 and torch.equal(repaired.slots, torch.arange(10, 13))
+    assert all(torch.equal(a, b) for a, b in zip(before, prefetched.fields()))
     schedule.release(0)
     assert schedule.repairs == 1 and schedule.repaired_steps == 1
-    assert schedule.bytes_copied == prefetched.nbytes + repaired.nbytes // 3
+    row = 8 + 8 + 2 * 5 * 4  # slot, position, K and V (fp32, head dim 5)
+    assert schedule.bytes_copied == (7 + 3) * row
     with pytest.raises(KeyError):
-        schedule.repair(0, lambda staging: None, [0, 1, 2])
+        schedule.repair(0, filler(1, 0), [0, 1, 2], 24, 5, torch.float32)
     schedule.close()
 
 
@@ -115,21 +160,15 @@ def test_query_drift_matches_a_per_group_loop():
 
 @pytest.mark.parametrize("threads", [0, 1])
 def test_zero_drift_threshold_repairs_every_step_like_the_oracle(threads):
-    """`repair_drift=0` re-selects hit steps too, so every step selects with the real token's query."""
+    """`repair_drift=0` re-selects hit steps too, so every step attends to its real query's own exact top-k."""
     model = six_layer_llama(seed=13)
     ids = torch.randint(3, 90, (2, 300), generator=torch.Generator().manual_seed(14))
     base = {"budget": 16, "n_sink": 4, "window": 8, "early_layers": 0, "retrieval_threads": threads, **SYNC}
-    runs = {}
-    for name, options in (("drift0", {"repair_drift": 0.0, "selector": "exact"}), ("oracle", {"selector": "oracle"})):
-        cache = DualDecoderCache(model.config, **base, **options)
-        recorded = record_selections(cache, at="release")
-        runs[name] = (model.generate(ids, cache=cache, max_new_tokens=12, do_sample=False), recorded, cache.stats())
-    (drift_ids, drift_sel, stats), (oracle_ids, oracle_sel, _) = runs["drift0"], runs["oracle"]
-    assert torch.equal(drift_ids, oracle_ids)
-    assert len(drift_sel) == len(oracle_sel) == 11 * 6
-    for (layer_a, idx_a, valid_a, keys_a), (layer_b, idx_b, valid_b, keys_b) in zip(drift_sel, oracle_sel):
-        assert layer_a == layer_b
-        assert torch.equal(idx_a, idx_b) and torch.equal(valid_a, valid_b) and torch.equal(keys_a, keys_b)
+    cache = DualDecoderCache(model.config, **base, repair_drift=0.0, selector="exact")
+    seen = contains_real_top(cache)
+    model.generate(ids, cache=cache, max_new_tokens=12, do_sample=False)
+    stats = cache.stats()
+    assert len(seen) == 11 * 6 and all(seen)
     assert stats["spec_hits"] > 0 and stats["drift_repairs"] > 0  # the hits were repaired as drift
     assert stats["repairs"] == 11 * 6
 
@@ -141,7 +180,7 @@ def test_unreachable_drift_threshold_is_the_same_as_no_drift_repair():
     for drift in (None, 1e30, 0.4):
         cache = DualDecoderCache(model.config, budget=16, n_sink=4, window=8, early_layers=0, repair_drift=drift,
                                  **SYNC)
-        recorded = record_selections(cache, at="release")
+        recorded = record_selections(cache)
         runs.append((model.generate(ids, cache=cache, max_new_tokens=12, do_sample=False), recorded, cache.stats()))
     (off_ids, off_sel, off_stats), (huge_ids, huge_sel, huge_stats), (_, _, default_stats) = runs
     assert torch.equal(off_ids, huge_ids) and off_stats["drift_repairs"] == huge_stats["drift_repairs"] == 0
@@ -188,7 +227,7 @@ def test_repairing_some_sequences_scores_only_them_with_the_same_result(monkeypa
 
     def run():
         cache = DualDecoderCache(model.config, **options)
-        recorded = record_selections(cache, at="release")
+        recorded = record_selections(cache)
         out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=14, do_sample=False)
         return out, recorded
 
@@ -202,11 +241,11 @@ def test_repairing_some_sequences_scores_only_them_with_the_same_result(monkeypa
     rows_out, rows_sel = run()
     assert any(0 < n < 3 for n in subsets)  # some repairs covered part of the batch
 
-    def whole_batch(self, query, committed, rows, batch, drifted=()):  # the reference: every sequence, rows copied
-        job = self._selection_job(query, committed, None, frozenset(drifted), use="repair")
-        self.schedule.repair(self.layer_idx, job, list(rows))
+    def one_by_one(self, query, committed, rows, batch, drifted=()):  # the reference: one repair per sequence
+        for row in rows:
+            original_repair(self, query, committed, [row], batch, [row] if row in drifted else ())
 
-    monkeypatch.setattr(DualLayer, "repair_selection", whole_batch)
+    monkeypatch.setattr(DualLayer, "repair_selection", one_by_one)
     full_out, full_sel = run()
     assert torch.equal(rows_out, full_out)
     assert len(rows_sel) == len(full_sel)

@@ -251,3 +251,26 @@ def test_deepcopy_of_a_fresh_cache_works_and_of_a_running_one_refuses_clearly():
     assert torch.equal(out, model.generate(ids, max_new_tokens=6, do_sample=False, cache=fresh))
     cache.close()  # a cache stays open after generate() (it may be continued)
     copy.deepcopy(cache)  # closed: copies (stats stay readable)
+
+
+def test_a_forward_taking_only_kwargs_gets_the_cache_under_the_current_name_without_warnings():
+    """A model whose `forward` takes `**kwargs` only (a wrapper) gets the cache, in `forward` and in its
+    `prepare_inputs_for_generation`, under the name transformers' own generation uses (`cache` since 5.24), so no
+    deprecation warning comes from the library; its tokens equal the default cache's (full budget)."""
+    import warnings
+
+    from transformers import LlamaForCausalLM
+
+    base = tiny_llama()
+
+    class Wrapped(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    model = Wrapped(base.config).eval()
+    model.load_state_dict(base.state_dict())
+    ids = _prompt(3, 24)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        dual = model.generate(ids, max_new_tokens=4, do_sample=False, cache_implementation="dual", cache_config=FULL)
+    assert torch.equal(dual, base.generate(ids, max_new_tokens=4, do_sample=False))

@@ -34,10 +34,10 @@ def delayed_retrieval(monkeypatch):
     def slow_job(self, *args, **kwargs):
         run = make_job(self, *args, **kwargs)
 
-        def slow_run(staging):
+        def slow_run():
             delayed.append(1)
             time.sleep(rng.random() * 0.004)
-            run(staging)
+            return run()
 
         return slow_run
 
@@ -78,12 +78,14 @@ def test_device_bytes_do_not_depend_on_context_length():
         cache = DualDecoderCache(model.config, **options)
         model.generate(_prompt(43, length), max_new_tokens=3, do_sample=False, cache=cache)
         device[length] = cache.stats()["device_bytes"]
-    # hand computation, fp32: per layer sink (4) + ring (8 + 2) K/V entries; pool: 2 slots × 48 entries (the
-    # default fetch_factor 2 × budget 16, + 16 next positions) × (K, V, int64 index, bool validity); batch 1, 2 KV
-    # heads, head_dim 16
+    # hand computation, fp32, batch 1, 2 KV heads, head_dim 16: per layer sink (4) + ring (8 + 2) K/V entries and a
+    # resident set of 3 × 16 entries per KV head (the default resident_factor × budget: K, V, int64 position); pool:
+    # 2 delta buffers of 2 KV heads × 32 rows (the budget 16 fetched + 16 next positions: the most one step copies)
+    # × (K, V, int64 slot, int64 position)
     kv_entry = 2 * 2 * 16 * 4  # K and V of one token over both KV heads
-    slot = 2 * 16 + 16
-    expected = 6 * (4 + 10) * kv_entry + 2 * (slot * kv_entry + 2 * slot * (8 + 1))
+    resident = 48 * (kv_entry + 2 * 8)
+    rows = 2 * (16 + 16)
+    expected = 6 * ((4 + 10) * kv_entry + resident) + 2 * rows * (2 * 16 * 4 + 8 + 8)
     assert device[1024] == device[8192] == expected
 
 
@@ -213,8 +215,11 @@ def test_quest_baseline_full_budget_matches_dense_and_counts_page_metadata():
                                return_dict_in_generate=True)
     pages = -(-(120 + 9) // 16)
     metadata = 6 * 2 * 2 * pages * 16 * 4  # layers × (min, max) × KV heads × pages × head_dim × fp32
-    pool = 2 * (32 * 2 * 2 * 16 * 4 + 2 * 32 * 9)
-    assert out.cache.stats()["device_bytes"] == streaming.cache.stats()["device_bytes"] + metadata + pool
+    # each layer's resident set holds exactly its 32 selected entries per KV head (K, V, int64 position); the pool: 2
+    # delta buffers of 2 KV heads × 32 rows (K, V, int64 slot, int64 position)
+    resident = 6 * 2 * 32 * (2 * 16 * 4 + 8)
+    pool = 2 * 2 * 32 * (2 * 16 * 4 + 16)
+    assert out.cache.stats()["device_bytes"] == streaming.cache.stats()["device_bytes"] + metadata + resident + pool
 
 
 def test_gpu_check_script_correctness_part_runs_on_cpu():

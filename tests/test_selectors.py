@@ -47,10 +47,8 @@ def _selector(name: str, store: HostKVStore, budget: int = 8) -> Selector:
 
 @pytest.mark.parametrize("seed", [21, 22])
 def test_a_job_selects_its_exact_rows_as_the_exact_selector_and_the_others_by_its_own_index(seed):
-    """Drift repairs (`Selector.job(exact=...)`): those rows get exact selection's entries and K/V, the others the
-    index's, alone or mixed in one job."""
-    from dual_cache.selection import Selection
-
+    """Drift repairs (`Selector.job(exact=...)`): those rows get exact selection's positions, the others the
+    index's, alone or mixed in one job (a job of some rows returns one row per listed sequence)."""
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(3, 2, 300, 8, generator=g)
     query = torch.randn(3, 4, 8, generator=g)
@@ -59,18 +57,16 @@ def test_a_job_selects_its_exact_rows_as_the_exact_selector_and_the_others_by_it
     candidates = Candidates(torch.arange(280)[None, :].expand(3, 280) >= 2, torch.zeros(3, dtype=torch.long))
 
     def run(selector, rows=None, exact_rows=frozenset()):
-        staging = Selection.empty(3, 2, 8, 8, keys.dtype, "cpu")
-        selector.job(query, None, candidates, 0.35, rows, frozenset(exact_rows))(staging)
-        return staging
+        return selector.job(query, None, candidates, 0.35, 8, 8, rows, frozenset(exact_rows))()
 
     by_index, by_exact = run(lowbit), run(exact)
-    assert not torch.equal(by_index.indices, by_exact.indices)  # the index's scan decides something here
+    assert not torch.equal(by_index.positions, by_exact.positions)  # the index's scan decides something here
     for rows, exact_rows in ((None, {0, 1, 2}), (None, {1}), ([0, 2], {2})):
         got = run(lowbit, rows, exact_rows)
-        for row in rows or range(3):
+        for i, row in enumerate(rows or range(3)):
             want = by_exact if row in exact_rows else by_index
-            for field in ("indices", "valid", "keys", "values"):
-                assert torch.equal(getattr(got, field)[row], getattr(want, field)[row]), (rows, exact_rows, row)
+            for field in ("positions", "valid"):
+                assert torch.equal(getattr(got, field)[i], getattr(want, field)[row]), (rows, exact_rows, row)
 
 
 @pytest.mark.parametrize("name", ["exact", "lowbit"])
@@ -177,7 +173,7 @@ def test_generate_with_the_index_full_budget_threads_and_host_bytes():
     runs = {}
     for threads in (0, 1, 3):
         cache = DualDecoderCache(model.config, **base, retrieval_threads=threads)
-        recorded = record_selections(cache, at="release")
+        recorded = record_selections(cache)
         runs[threads] = (model.generate(ids, cache=cache, **kwargs), recorded, cache.stats())
     for threads in (1, 3):
         assert torch.equal(runs[0][0], runs[threads][0])

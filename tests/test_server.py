@@ -124,6 +124,19 @@ def test_bad_requests_get_a_400_that_says_what_to_change(server, path, body, nee
     assert scheduler.metrics()["requests"] == before  # refused before any work
 
 
+@pytest.mark.parametrize("path, body, param, needle", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, "max_tokens", "lower max_tokens to at most"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 100000},
+     "max_completion_tokens", "lower max_tokens to at most"),
+    ("/v1/completions", {"prompt": "word " * 9000, "max_tokens": 4}, "prompt", "shorten it to at most 8191 tokens"),
+])
+def test_a_request_past_the_positions_names_the_field_to_change(server, path, body, param, needle):
+    port, _ = server
+    status, error = _json(port, path, body)
+    assert status == 400 and error["error"]["param"] == param and needle in error["error"]["message"]
+    assert "(1 tokens)" not in error["error"]["message"]
+
+
 def test_fifty_concurrent_clients_ten_disconnecting_mid_stream(server):
     port, scheduler = server
     results: dict[int, object] = {}

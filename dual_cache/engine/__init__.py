@@ -13,6 +13,7 @@ once (`Chunks`).
 from __future__ import annotations
 
 import ctypes
+import time
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Sequence
@@ -272,6 +273,7 @@ def _native_select(library, query, mask, keys, budget, scaling, index, shortlist
         table, first, groups = index.native
         group_first, n_groups = first.data_ptr(), groups.data_ptr()
     profile = profiling.buffer(batch * kv_heads)
+    started = time.thread_time_ns() if profile is not None else 0
     status = library.dc_select(
         batch, kv_heads, q_heads // kv_heads, dim, KEY_TYPES[prepared.keys[0].dtype], query.data_ptr(), scaling,
         mask.shape[1], mask.data_ptr(), rows, len(prepared.keys), prepared.table, table, group_first, n_groups,
@@ -279,7 +281,7 @@ def _native_select(library, query, mask, keys, budget, scaling, index, shortlist
         max(1, threads), profile)
     if status != 0:
         raise MemoryError("The native selection engine could not allocate its scratch memory.")
-    profiling.record(profile, batch * kv_heads)
+    profiling.record(profile, batch * kv_heads, time.thread_time_ns() - started if profile is not None else 0)
     return indices, valid
 
 

@@ -1,5 +1,5 @@
-"""The interface every selector implements (what it is asked for and what it fills, `Candidates` and `Selection`,
-live in `selection.py`, shared with the transfer schedule).
+"""The interface every selector implements (what it is asked for and what it returns, `Candidates` and `Wanted`,
+live in `selection.py`, shared with the layer's resident set).
 
 A selector decides which `budget` middle entries per (sequence, KV head) one full-attention layer's decode step
 attends to (docs/design.md §2, step 3). It owns whatever it keeps besides the layer's host store — a host-side index,
@@ -15,7 +15,7 @@ import torch
 
 from .. import engine
 from ..host_store import HostKVStore
-from ..selection import Candidates, Selection
+from ..selection import Candidates, Wanted
 from ..sync_points import count_host_wait, uncounted
 
 HostClaim = Callable[[int], None]  # called with a byte count before host memory is allocated; may raise
@@ -113,7 +113,7 @@ class Selector:
         sequence against the host-memory limit."""
 
     def select(
-        self, query: torch.Tensor, candidates: Candidates, scaling: float
+        self, query: torch.Tensor, candidates: Candidates, scaling: float, budget: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Choose `budget` entries per (sequence, KV head) that `query` attends to most.
 
@@ -122,6 +122,7 @@ class Selector:
                 sequence of `candidates` (`H_q` a multiple of the store's `H_kv`).
             candidates: the selectable positions of those sequences (`end` ≥ 1).
             scaling: the layer's softmax scale (usually `D ** -0.5`).
+            budget: entries per (sequence, KV head), > 0; None: the selector's own (`budget`, the layer's).
 
         Returns:
             `(indices, valid)`, both `(b, H_kv, budget)`: int64 positions in `[0, end)`, the valid ones ascending,
@@ -130,89 +131,83 @@ class Selector:
         raise NotImplementedError
 
     def select_into(self, query: torch.Tensor, candidates: Candidates, scaling: float,
-                    out: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                    out: tuple[torch.Tensor, torch.Tensor], budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`select`, then the chosen keys and values written into `out` (`(b, H_kv, budget, D)` contiguous host
         tensors of the store's dtype; an invalid slot gets the rows of its index, as `HostKVStore.gather`).
         Selectors scored by the native engine gather in the same call."""
-        indices, valid = self.select(query, candidates, scaling)
+        indices, valid = self.select(query, candidates, scaling, budget)
         self.store.gather(indices, out=out, rows=candidates.ids)
         return indices, valid
 
-    def job(self, query: torch.Tensor, ready: Any, candidates: Candidates, scaling: float,
+    def job(self, query: torch.Tensor, ready: Any, candidates: Candidates, scaling: float, budget: int, width: int,
             rows: list[int] | None = None, exact: frozenset[int] = frozenset(),
-            follow: tuple[torch.Tensor, Any] | None = None) -> Callable[[Selection], None]:
-        """A retrieval job for the schedule: this selector's choice for `query`, then the gather of the chosen K/V.
+            follow: tuple[torch.Tensor, Any] | None = None) -> Callable[[], Wanted]:
+        """A retrieval job's choice: the positions one step wants resident, for `query` (the gather of the entries
+        not resident yet is the resident set's, `layer.DualLayer`).
 
         Args:
             query: `(B, H_q, D)` float32 host tensor (being filled by a copy from the device until `ready`).
             ready: a CUDA event recorded after that copy, or None (the query is on the host already).
             candidates: the selectable positions of every sequence of the store (`end` may be 0: nothing to
                 select; every slot is then invalid).
-            scaling: the layer's softmax scale.
-            rows: None selects for every sequence; a list selects for those sequences only (a repair), in one call
-                per kind of selection (a sequence's selection depends on it alone), leaving the others' slots
-                invalid at 0.
-            exact: the sequences (indices into the batch) selected by `select_exact` instead of this selector's
-                own policy: drift repairs (`repair_drift`).
-            follow: for a staging buffer wider than `budget` (`DualDecoderConfig.fetch_next`): `(positions,
-                ready)`, the `(B, H_kv, m)` int64 host positions the real token attended in this step (-1 where
-                none; a row whose first entry is `OWN_TOP`: this query's own top entries, a request's first step,
-                whose query is the prompt's last token's; being copied until `ready.synchronize()`, or `ready`
-                None); the slots past `budget` get the *next* position of each (`next_positions`). None: on a
-                prefetch, every row `OWN_TOP`; on a repair, those slots stay invalid.
+            scaling: the layer's softmax scale. budget: positions this selector chooses per (sequence, KV head).
+            width: slots per (sequence, KV head) of the result, `>= budget`: past `budget`, the *next* position
+                of each position in `follow` (`next_positions`; `DualDecoderConfig.fetch_next`).
+            rows: None chooses for every sequence; a list for those sequences only (a repair; the result has one
+                row per listed sequence), in one call per kind of selection (a sequence's choice depends on it
+                alone).
+            exact: the sequences (indices into the batch) chosen by `select_exact` instead of this selector's own
+                policy: drift repairs (`repair_drift`).
+            follow: `(positions, ready)`: the `(B, H_kv, m)` int64 host positions the real token attended in the
+                last step (-1 where none; a row whose first entry is `OWN_TOP`: this query's own top entries, a
+                request's first step, whose query is the prompt's last token's), being copied until
+                `ready.synchronize()` (or `ready` None). None: on a prefetch, every row `OWN_TOP`; on a repair, the
+                slots past `budget` stay invalid.
 
         Returns:
-            `job(staging)`, filling a host `Selection` of shape `(B, H_kv, S, D)` (`S >= budget`) in place.
+            `choose()`, returning the `Wanted` positions `(b, H_kv, width)` (b: the batch, or `len(rows)`), with the
+            attended positions as `used`.
         """
         store = self.store
         batch = query.shape[0]
+        ids = list(range(batch)) if rows is None else list(rows)
 
-        def run(staging: Selection) -> None:
+        def run() -> Wanted:
             if ready is not None:
                 count_host_wait("selection query")  # counted on the launching thread only: the synchronous path
                 ready.synchronize()
             if follow is not None and follow[1] is not None:
                 follow[1].synchronize()
             with uncounted():  # host tensors only from here on
-                _select(staging)
+                return _choose()
 
-        def _select(full: Selection) -> None:
-            if candidates.end == 0:  # every slot invalid; its K/V zeroed too, as a slot's bytes reach attention
-                for tensor in (full.indices, full.valid, full.keys, full.values):
-                    tensor.zero_()
-                return
+        def _choose() -> Wanted:
+            kv_heads = store.shape_prefix[1]
+            positions = torch.zeros(len(ids), kv_heads, width, dtype=torch.long)
+            valid = torch.zeros(len(ids), kv_heads, width, dtype=torch.bool)
+            if candidates.end == 0 or not ids:  # nothing to choose from: every slot invalid
+                return Wanted(positions, valid)
             store.wait_written()
-            staging = full.narrow(self.budget)
-            every = rows is None and len(exact) in (0, batch)
-            if every:
-                out = (staging.keys, staging.values)
-                indices, valid = (self.select_exact(query, candidates, scaling, out) if exact
-                                  else self.select_into(query, candidates, scaling, out))
-                staging.indices.copy_(indices)
-                staging.valid.copy_(valid)
-            else:
-                staging.indices.zero_()
-                staging.valid.zero_()
-                chosen = list(range(batch)) if rows is None else list(rows)
-                for select, ids in ((self.select_into, [r for r in chosen if r not in exact]),
-                                    (self.select_exact, [r for r in chosen if r in exact])):
-                    if ids:
-                        shape = (len(ids), *staging.keys.shape[1:])
-                        out = (torch.empty(shape, dtype=staging.keys.dtype),
-                               torch.empty(shape, dtype=staging.keys.dtype))
-                        indices, valid = select(query[ids], candidates.subset(ids), scaling, out)
-                        staging.indices[ids], staging.valid[ids] = indices, valid
-                        staging.keys[ids], staging.values[ids] = out
-            extra = full.indices.shape[2] - self.budget
-            if extra:
-                attended = None
+            picked = candidates if rows is None else candidates.subset(ids)
+            queries = query if rows is None else query[ids]
+            mine = [i for i, row in enumerate(ids) if row not in exact]
+            for select, part in ((self.select, mine), (self.select_exact, [i for i in range(len(ids)) if i not in mine])):
+                if len(part) == len(ids):
+                    positions[..., :budget], valid[..., :budget] = select(queries, picked, scaling, budget)
+                elif part:
+                    chosen, ok = select(queries[part], picked.subset(part), scaling, budget)
+                    positions[part, :, :budget], valid[part, :, :budget] = chosen, ok
+            used = None
+            if width > budget:
                 if follow is not None:
-                    attended = follow[0]
+                    used = follow[0] if rows is None else follow[0][ids]
                 elif rows is None:  # a request's first step: every row continues this (real) query's own top
-                    attended = torch.full((batch, 1, 1), OWN_TOP, dtype=torch.long)
-                if attended is not None:
-                    attended = self._own_top(attended, query, candidates, scaling, extra)
-                self._fill_next(full.tail(self.budget), staging, attended, candidates)
+                    used = torch.full((batch, 1, 1), OWN_TOP, dtype=torch.long)
+                if used is not None:
+                    used = self._own_top(used, queries, picked, scaling, width - budget)
+                    positions[..., budget:], valid[..., budget:] = next_positions(
+                        used, positions[..., :budget], valid[..., :budget], picked.mask, width - budget)
+            return Wanted(positions, valid, used)
 
         return run
 
@@ -227,33 +222,12 @@ class Selector:
         width = max(count, attended.shape[2])
         out = torch.full((attended.shape[0], kv_heads, width), -1, dtype=torch.long)
         out[..., :attended.shape[2]] = attended
-        budget, self.budget = self.budget, count
-        try:
-            positions, valid = self.select(query[own], candidates.subset(own), scaling)
-        finally:
-            self.budget = budget
+        positions, valid = self.select(query[own], candidates.subset(own), scaling, count)
         out[own] = -1
         out[own, :, :count] = torch.where(valid, positions, -1)
         return out
 
-    def _fill_next(self, tail: Selection, chosen: Selection, attended: torch.Tensor | None,
-                   candidates: Candidates) -> None:
-        """Fill `tail` `(B, H_kv, m[, D])` with the next position of each `attended` position `(B, H_kv, n)` (-1:
-        none; None: every tail slot invalid): a candidate that `chosen` (the leading slots) does not hold already,
-        with its K/V (`next_positions`)."""
-        tail.indices.zero_()
-        tail.valid.zero_()
-        if attended is None:
-            tail.keys.zero_()
-            tail.values.zero_()
-            return
-        width = tail.indices.shape[2]
-        positions, valid = next_positions(attended, chosen.indices, chosen.valid, candidates.mask, width)
-        tail.indices.copy_(positions)
-        tail.valid.copy_(valid)
-        self.store.gather(positions, out=(tail.keys, tail.values), rows=candidates.ids)
-
-    def select_exact(self, query: torch.Tensor, candidates: Candidates, scaling: float,
+    def select_exact(self, query: torch.Tensor, candidates: Candidates, scaling: float, budget: int | None = None,
                      out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """What `selector="exact"` chooses: top-`budget` by the GQA group's attention mass over every candidate key
         (`dual_cache.engine.select` without an index), whatever this selector's policy; arguments and result as
@@ -262,8 +236,9 @@ class Selector:
         self.store.own_rows(candidates.ids, query.shape[0])  # ValueError for rows outside the batch
         keys = self.store.key_chunks(candidates.end)
         values = None if out is None else self.store.value_chunks(candidates.end)
-        return engine.select(query.float().contiguous(), candidates.mask, keys, self.budget, scaling,
-                             values=values, out=out, rows=candidates.ids)
+        return engine.select(query.float().contiguous(), candidates.mask, keys,
+                             self.budget if budget is None else budget, scaling, values=values, out=out,
+                             rows=candidates.ids)
 
     @property
     def host_bytes(self) -> int:

@@ -85,7 +85,12 @@ class LowBitSelector(Selector):
 
     @property
     def shortlisted(self) -> int:
-        return self.config.lowbit_factor * self.budget
+        """Positions the scan shortlists per KV head at the layer's budget (`shortlist_for`)."""
+        return self.shortlist_for(self.budget)
+
+    def shortlist_for(self, budget: int) -> int:
+        """Positions the scan shortlists per KV head for a selection of `budget`: `lowbit_factor × budget`."""
+        return self.config.lowbit_factor * budget
 
     @property
     def quads(self) -> int:
@@ -235,14 +240,15 @@ class LowBitSelector(Selector):
         codes = kv_heads * groups * (self.quads * 64 + self.dim_q * 4)  # chosen quads' codes; every parameter
         return 0, codes + kv_heads * (self.shortlisted + end - groups * GROUP) * dim * element
 
-    def select(self, query: torch.Tensor, candidates: Candidates, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._select(query, candidates, scaling, None)
+    def select(self, query: torch.Tensor, candidates: Candidates, scaling: float,
+               budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._select(query, candidates, scaling, None, self.budget if budget is None else budget)
 
     def select_into(self, query: torch.Tensor, candidates: Candidates, scaling: float,
-                    out: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._select(query, candidates, scaling, out)
+                    out: tuple[torch.Tensor, torch.Tensor], budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._select(query, candidates, scaling, out, self.budget if budget is None else budget)
 
-    def _select(self, query, candidates, scaling, out):
+    def _select(self, query, candidates, scaling, out, budget):
         rows = candidates.ids
         batch = self.store.shape_prefix[0]
         if len(rows) != query.shape[0] or rows and (min(rows) < 0 or max(rows) >= batch):
@@ -250,7 +256,7 @@ class LowBitSelector(Selector):
         self.extend(candidates.end, candidates.first_real, rows)
         query = query if query.dtype == torch.float32 else query.float()
         return engine.select(query, candidates.mask, self._chunks(out is not None),
-                             self.budget, scaling, self._index_view(), self.shortlisted, self.quads, out=out,
+                             budget, scaling, self._index_view(), self.shortlist_for(budget), self.quads, out=out,
                              rows=None if candidates.sequences is None else rows)
 
     def _index_view(self) -> engine.IndexView | None:

@@ -62,13 +62,14 @@ class QuestSelector(Selector):
         self.page_max[:, :, first:pages] = page_max
         self.indexed = length
 
-    def select(self, query: torch.Tensor, candidates: Candidates, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def select(self, query: torch.Tensor, candidates: Candidates, scaling: float,
+               budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         self.extend(self.store.length, candidates.first_real)
         pages = -(-candidates.end // self.config.block_size)
         rows = candidates.ids
         indices, valid = select_pages(
             query.to(self.device), self.page_min[rows, :, :pages], self.page_max[rows, :, :pages],
-            candidates.mask.to(self.device), self.budget, self.config.block_size,
+            candidates.mask.to(self.device), self.budget if budget is None else budget, self.config.block_size,
         )
         return indices.cpu(), valid.cpu()
 

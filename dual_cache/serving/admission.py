@@ -18,6 +18,19 @@ from .rows import Row
 from .sessions import SessionStore
 
 
+class RequestError(ValueError):
+    """A request refused before it is queued; `param` names the request field to change (OpenAI's error `param`):
+    `"prompt"`, `"max_tokens"` or `"session"`."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _tokens(count: int) -> str:
+    return f"{count} token{'' if count == 1 else 's'}"
+
+
 def check_request(input_ids: torch.Tensor | Sequence[int], options: GenerationOptions, session: str | None,
                   max_positions: int | None, dense: bool) -> torch.Tensor:
     """A new request's prompt as `(P,)` int64 on the host, checked with its options before anything is queued.
@@ -27,23 +40,29 @@ def check_request(input_ids: torch.Tensor | Sequence[int], options: GenerationOp
             None. max_positions: the model's positions (None: unknown). dense: the scheduler serves dense rows.
 
     Raises:
-        ValueError: empty or non-integer ids, a prompt + max_tokens past the model's positions, a session on the
-            dense server or asking for its prompt's logprobs.
+        RequestError: (a `ValueError`) empty or non-integer ids, or a prompt that fills the model's positions alone
+            (`param` "prompt"); a prompt + max_tokens past the model's positions ("max_tokens"); a session on the
+            dense server or asking for its prompt's logprobs ("session").
     """
     ids = torch.as_tensor(input_ids)
     if ids.dim() == 2 and ids.shape[0] == 1:
         ids = ids[0]
     if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise ValueError(f"input_ids must be a non-empty (P,) or (1, P) integer tensor, got {tuple(ids.shape)} "
-                         f"{ids.dtype}.")
+        raise RequestError(f"input_ids must be a non-empty (P,) or (1, P) integer tensor, got {tuple(ids.shape)} "
+                           f"{ids.dtype}.", "prompt")
+    if max_positions is not None and ids.numel() >= max_positions:
+        raise RequestError(f"The prompt ({_tokens(ids.numel())}) leaves no room for a new token in the model's "
+                           f"{max_positions} positions; shorten it to at most {max_positions - 1} tokens.", "prompt")
     if max_positions is not None and ids.numel() + options.max_tokens > max_positions:
-        raise ValueError(f"The prompt ({ids.numel()} tokens) plus max_tokens ({options.max_tokens}) exceeds the "
-                         f"model's {max_positions} positions; shorten the prompt or lower max_tokens.")
+        raise RequestError(f"max_tokens ({options.max_tokens}) plus the prompt ({_tokens(ids.numel())}) exceeds the "
+                           f"model's {max_positions} positions; lower max_tokens to at most "
+                           f"{max_positions - ids.numel()} or shorten the prompt.", "max_tokens")
     if session is not None and (dense or not isinstance(session, str) or not session):
-        raise ValueError("session must be a non-empty string, and sessions need the dual cache (not --dense).")
+        raise RequestError("session must be a non-empty string, and sessions need the dual cache (not --dense).",
+                           "session")
     if session is not None and options.prompt_logprobs is not None:
-        raise ValueError("A session request cannot return its prompt's logprobs (echo): the session's stored "
-                         "tokens are not prefilled again.")
+        raise RequestError("A session request cannot return its prompt's logprobs (echo): the session's stored "
+                           "tokens are not prefilled again.", "session")
     return ids.to(torch.long).cpu()
 
 

@@ -20,7 +20,8 @@ from ..cache import DualDecoderCache
 from ..checks import check_model_serves_dual
 from ..config import DualDecoderConfig
 from ..regroup import regroup
-from ..step import DualStep, cache_kwarg_name
+from ..model_inputs import cache_kwarg_name
+from ..step import DualStep
 from ..streams import to_device, to_host
 from .rows import Row
 

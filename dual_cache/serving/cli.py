@@ -10,6 +10,8 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
+import sys
 
 from ..config import DualDecoderConfig
 from ..extras import require
@@ -102,8 +104,20 @@ def cmd_serve(args) -> int:
     scheduler = Scheduler(model, tokenizer, cache_config=args.cache_config or DualDecoderConfig(), dense=args.dense,
                           max_batch=args.max_batch, max_host_bytes=args.max_host_bytes,
                           prefix_block=args.prefix_block)
+    stopped_by: list[str] = []
+
+    def stop(signum, frame) -> None:  # uvicorn raises the signal it shut down on again once it stopped: taken here,
+        stopped_by.append(signal.Signals(signum).name)  # so Ctrl-C and SIGTERM end the command without a traceback
+        scheduler.cancel_all()
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         run_http(scheduler, tokenizer, model_display_name(args.model), args.host, args.port)
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         scheduler.stop()
+    metrics = scheduler.metrics()
+    print(f"dual-decoder serve: stopped{' on ' + stopped_by[0] if stopped_by else ''} after {metrics['requests']} "
+          f"requests ({metrics['finished']} finished, {metrics['cancelled']} cancelled)", file=sys.stderr)
     return 0

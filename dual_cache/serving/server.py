@@ -185,8 +185,7 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str) -> FastAPI:
         except (ValueError, RuntimeError) as error:
             for handle in handles:
                 scheduler.cancel(handle)
-            return _error(400 if isinstance(error, ValueError) else 503, str(error),
-                          "prompt" if "prompt" in str(error) else None)
+            return _error(400 if isinstance(error, ValueError) else 503, str(error), _param(error, body))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{handles[0].id}"
         created = int(time.time())
         if body.stream:
@@ -310,6 +309,15 @@ def run_http(scheduler, tokenizer, model_name: str, host: str, port: int, on_ser
     if on_server is not None:
         on_server(server)
     server.run()
+
+
+def _param(error: Exception, body) -> str | None:
+    """The request field a refused request should change (`admission.RequestError.param`), as the client named it:
+    a chat request that gave `max_completion_tokens` gets that name for "max_tokens"."""
+    param = getattr(error, "param", None)
+    if param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
+        return "max_completion_tokens"
+    return param
 
 
 def _returned(body, handle: RequestHandle) -> list[int]:

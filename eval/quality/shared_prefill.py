@@ -35,7 +35,7 @@ from transformers import DynamicCache
 from dual_cache.cache import DualDecoderCache
 from dual_cache.checks import check_model_serves_dual
 from dual_cache.config import DualDecoderConfig
-from dual_cache.step import cache_kwarg_name
+from dual_cache.model_inputs import cache_kwarg_name
 from dual_cache.layer import DualLayer
 
 from .methods import Method

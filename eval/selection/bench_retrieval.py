@@ -19,6 +19,8 @@ the step time is scaled to `--layers` layers.
 
 The selectors of a cell run side by side over the same stores, each step in a rotated order (a change in the host's
 load reaches them alike). Per row: `ms_per_step` (median over `--repeats` steps, after one warm-up), `ms_per_layer`,
+`core_ms_per_sequence_step` (host CPU milliseconds of a step's selection per sequence, every engine thread counted,
+`engine.profiling.cpu_seconds`: with N cores the host serves at most N / this sequence-steps per second),
 `key_mib_read_per_step` (key bytes a step reads: every key for `exact`; the scanned channels' codes, every group
 parameter, then the shortlisted keys and the uncovered tail whole for `lowbit`), `index_host_bytes` (per layer,
 beyond the K/V) and `index_fraction` (of the layer's K/V bytes), `build_ms_per_1k_tokens` (building the index over
@@ -42,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ...config import DualDecoderConfig
-from ...engine import native
+from ...engine import native, profiling
 from ...help_format import DefaultsHelpFormatter
 from ...host_pages import advise_huge_pages
 from ...host_store import HostKVStore
@@ -126,7 +128,7 @@ def measure(context: int, batch: int, selector_names: list[str], pool: int, args
     scaling = args.head_dim ** -0.5
     extra = torch.randn(batch, args.kv_heads, 1, args.head_dim).to(dtype)
 
-    def job(name: str, layer: int, candidates: Candidates) -> None:
+    def select(name: str, layer: int, candidates: Candidates) -> None:
         if name == TORCH_EXACT:
             keys = stores[layer].key_chunks(candidates.end)
             indices, _ = torch_select(query, keys, candidates.mask, args.budget, scaling)
@@ -134,9 +136,14 @@ def measure(context: int, batch: int, selector_names: list[str], pool: int, args
         else:  # selection and the gather of the chosen K/V (one engine call for the engine's selectors)
             selectors[name][layer].select_into(query, candidates, scaling, staging[layer])
 
+    def job(name: str, layer: int, candidates: Candidates) -> float:
+        """One layer's job; returns its host CPU seconds (`profiling.cpu_seconds`)."""
+        return profiling.cpu_seconds(select, name, layer, candidates)[1]
+
     per_call = 1 if pool > 1 else threads or torch.get_num_threads()
     executor = ThreadPoolExecutor(max_workers=pool, initializer=torch.set_num_threads, initargs=(per_call,))
     times = {name: [] for name in selector_names}
+    cpu = {name: [] for name in selector_names}
     try:
         for step in range(steps):
             for store in stores:
@@ -146,10 +153,11 @@ def measure(context: int, batch: int, selector_names: list[str], pool: int, args
             shift = step % len(selector_names)
             for name in selector_names[shift:] + selector_names[:shift]:
                 start = time.perf_counter()
-                for future in [executor.submit(job, name, layer, candidates) for layer in range(len(stores))]:
-                    future.result()
+                seconds = sum(future.result() for future in
+                              [executor.submit(job, name, layer, candidates) for layer in range(len(stores))])
                 if step:  # the first step warms up
                     times[name].append(time.perf_counter() - start)
+                    cpu[name].append(seconds)
     finally:
         executor.shutdown()
     rows = []
@@ -165,6 +173,7 @@ def measure(context: int, batch: int, selector_names: list[str], pool: int, args
             "context": context, "batch": batch, "selector": name, "pool": pool, "torch_threads": per_call,
             "distinct_layers": len(stores),
             "ms_per_step": per_step * 1e3, "ms_per_layer": per_step * 1e3 / args.layers,
+            "core_ms_per_sequence_step": statistics.median(cpu[name]) * scale * 1e3 / batch,
             "ms_per_step_min": min(times[name]) * scale * 1e3, "ms_per_step_max": max(times[name]) * scale * 1e3,
             "repeats": len(times[name]),
             "key_mib_read_per_step": read * args.layers / 2**20,
@@ -199,9 +208,9 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
         "call on `threads` engine threads; N > 1: N layers at once, one thread each). Host GB/s: this host's read "
         "bandwidth on as many threads, measured in the same run; share: the selection's read rate over it. Times: the "
         f"median (min–max) of {rows[0]['repeats']} steps per selector.", "",
-        "| context | batch | selector | pool | threads | ms/layer | ms/step (min–max) | key MiB read/step | index / KV | "
-        "build ms per 1K tokens·layer | GB/s read | host GB/s | share of host | exact / this |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| context | batch | selector | pool | threads | ms/layer | ms/step (min–max) | core-ms/seq-step | key MiB read/step | "
+        "index / KV | build ms per 1K tokens·layer | GB/s read | host GB/s | share of host | exact / this |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     cell = lambda r: (r["context"], r["batch"], r["pool"], r["torch_threads"])
     exact = {cell(r): r["ms_per_step"] for r in rows if r["selector"] == "exact"}
@@ -211,7 +220,8 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
         lines.append(
             f"| {r['context']} | {r['batch']} | {r['selector']} | {r['pool']} | {r['torch_threads']} | "
             f"{_num(r['ms_per_layer'])} | {_num(r['ms_per_step'])} ({_num(r['ms_per_step_min'])}–"
-            f"{_num(r['ms_per_step_max'])}) | {_num(r['key_mib_read_per_step'])} | {r['index_fraction']:.1%} | "
+            f"{_num(r['ms_per_step_max'])}) | {_num(r['core_ms_per_sequence_step'])} | "
+            f"{_num(r['key_mib_read_per_step'])} | {r['index_fraction']:.1%} | "
             f"{_num(r['build_ms_per_1k_tokens'])} | {r['effective_gbps']:.1f} | {r['host_read_gbps']:.1f} | "
             f"{r['host_share']:.0%} | {ratio} |"
         )

@@ -37,31 +37,16 @@ import sys
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AttentionInterface, DynamicCache
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ...help_format import DefaultsHelpFormatter
 from ...models import model_display_name
 from .torch_exact import group_attention_mass
-from ...speculators import SelfSpeculator
-from ...step import cache_kwarg_name
+from .decode_steps import dual_steps, full_attention_layers, use_recorder
 from ..outputs import default_out, write_rows_and_table
 from ...chat import format_chat
 from ...needle_prompt import make_needle_prompt
 from ..quality.needle_sweep import load_tool_model, parse_seeds, threads_arg
 from ..quality.natural_text import natural_prompt_ids
-
-RECORDER = "dual_miss_candidates_recorder"
-_recorded: dict | None = None  # layer -> (query (1, H_q, q, D), keys (1, H_kv, n, D), scaling) of the last call
-
-
-def _recorder(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """SDPA attention that keeps each full-attention layer's queries and keys of the call (float32, host)."""
-    if _recorded is not None and getattr(module, "sliding_window", None) is None:
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        _recorded[module.layer_idx] = (query.detach().float(), key.detach().float(), scale)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
 class LayerInputs:
@@ -184,54 +169,22 @@ def score_layer(scores: Scores, kind: str, args, keys, scaling, position, real, 
 
 
 def decode_and_score(model, ids: list[int], args, scores: Scores) -> None:
-    """Decode `args.steps` greedy tokens after `ids` the way the dual loop does (dense attention) and score every
-    candidate at every step and layer."""
-    global _recorded
+    """Decode `args.steps` greedy tokens after `ids` the way the dual loop does (dense attention,
+    `decode_steps.dual_steps`) and score every candidate at every step and layer."""
     inputs = LayerInputs(model)
-    speculator = SelfSpeculator()
-    cache = DynamicCache(config=model.config)
-    cache_arg = cache_kwarg_name(model)
-    text = model.config.get_text_config()
-    full = [i for i, kind in enumerate(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
-            if kind == "full_attention" and i >= args.skip_layers]
+    full = [i for i in full_attention_layers(model) if i >= args.skip_layers]
+    spec_queries = prev_queries = None
     try:
-        with torch.no_grad():
-            prompt = torch.tensor([ids])
-            logits = model(prompt, use_cache=True, logits_to_keep=1, **{cache_arg: cache}).logits
-            _recorded = {}
-            # the first step's entries: chosen by the prompt's last query (recorded by one more call's keys below)
-            position = len(ids)
-            real_token = int(logits[0, -1].argmax())
-            sequence = list(ids) + [real_token]
-            guess = speculator.propose([torch.tensor(sequence)], None, None)[0]
-            prev_queries = None
-            spec_queries = None
-            last_hit = None
-            for step in range(args.steps):
-                _recorded = {}
-                inputs.hidden.clear()
-                out = model(torch.tensor([[real_token, guess]]), use_cache=True, **{cache_arg: cache},
-                            position_ids=torch.tensor([[position, position + 1]]), logits_to_keep=2)
-                cache.crop(-1)
-                real_queries = {layer: q[:, :, 0] for layer, (q, _, _) in _recorded.items()}
-                kind = "miss" if last_hit is None or not last_hit else "hit"
-                if spec_queries is not None:
-                    scores.steps[kind] += 1
-                    for layer in full:
-                        estimates = {lead: inputs.estimate_query(layer, max(0, layer - lead)) for lead in args.leads}
-                        _, keys, scaling = _recorded[layer]
-                        score_layer(scores, kind, args, keys, scaling, position, real_queries[layer],
-                                    spec_queries[layer], prev_queries[layer], estimates)
-                spec_queries = {layer: q[:, :, 1] for layer, (q, _, _) in _recorded.items()}
-                prev_queries = real_queries
-                next_real = int(out.logits[0, 0].argmax())
-                chained = int(out.logits[0, 1].argmax())
-                last_hit = next_real == guess
-                sequence.append(next_real)
-                guess = speculator.propose([torch.tensor(sequence)], [chained], [last_hit])[0]
-                real_token, position = next_real, position + 1
+        for record in dual_steps(model, ids, args.steps):
+            kind = "miss" if not record.hit else "hit"
+            if spec_queries is not None:
+                scores.steps[kind] += 1
+                for layer in full:
+                    estimates = {lead: inputs.estimate_query(layer, max(0, layer - lead)) for lead in args.leads}
+                    score_layer(scores, kind, args, record.keys[layer], record.scaling[layer], record.position,
+                                record.real[layer], spec_queries[layer], prev_queries[layer], estimates)
+            spec_queries, prev_queries = record.spec, record.real
     finally:
-        _recorded = None
         inputs.close()
 
 
@@ -272,9 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     seeds = parse_seeds(args.seeds)
     model, tokenizer = load_tool_model(args.threads, args.model)
-    AttentionInterface.register(RECORDER, _recorder)
-    AttentionMaskInterface.register(RECORDER, sdpa_mask)
-    model.set_attn_implementation(RECORDER)
+    use_recorder(model)
     scores = Scores()
     for seed in seeds:
         decode_and_score(model, prompt_ids(args.prompts, tokenizer, args.tokens, seed), args, scores)

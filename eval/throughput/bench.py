@@ -26,8 +26,14 @@ of the runs with `<field>_min` / `<field>_max` beside it, `eval/spread.py`) it r
   call's peak including weights (what the max-batch search compares with the device cap),
   `cuda_decode_peak_total_bytes` the decode phase's; NaN on CPU;
 - `host_bytes_per_request`: KV bytes in host memory per sequence (dual host store; offloaded: the whole cache);
-- `bytes_copied_per_step`: host→device bytes per decode step for the whole batch (dual: selections;
-  offloaded: every layer is prefetched once per step, so the whole cache at its final size; dense: 0);
+- `bytes_copied_per_step`: host→device bytes per decode step for the whole batch (dual: the resident sets' deltas;
+  offloaded: every layer is prefetched once per step, so the whole cache at its final size; dense: 0), and
+  `bytes_copied_per_sequence_step` the same per sequence: with the link's bandwidth R, the method's ceiling is R /
+  this many sequence-steps per second;
+- `host_core_ms_per_sequence_step`: host CPU milliseconds of selection (the retrieval jobs' thread CPU time, every
+  thread of the native engine counted: `cache.stats()["retrieval_cpu_seconds"]`) per decode step and sequence: with
+  N host cores the method's ceiling is N / this many sequence-steps per second (0 for dense); `resident_share`: the
+  share of the entries the steps wanted resident that already were (dual only);
 - `overlap_ratio`, `wait_seconds`: the dual pipeline's telemetry (`cache.stats()`), NaN where absent; on CUDA
   `idle_copy_fraction` and `idle_host_fraction`, the shares of the device's step time it idled waiting for selection
   copies and without work while the launch thread waited on host selection (`overlap_ratio` is 1 − their sum);
@@ -65,8 +71,10 @@ from dataclasses import asdict
 from typing import Callable
 
 import torch
+from tqdm.auto import tqdm
 
 from ...cache import available_host_bytes
+from ...progress import shown
 from .bench_capacity import GIB, MemoryLimits, apply_device_cap, find_max_batch
 from .. import spread
 from .bench_cell import run_cell
@@ -84,7 +92,7 @@ TIMED = ("prefill_s", "decode_tokens_per_s", "ms_per_step", "overlap_ratio", "id
 def run_bench(model, tokenizer, grid: BenchGrid, limits: MemoryLimits | None = None, model_name: str = "",
               max_batch_cap: int = 256, max_cell_seconds: float | None = None, log: Callable[[str], None] = print,
               on_progress: Callable[[BenchResult], None] | None = None, keep_going: bool = False,
-              repeats: int = 1, max_batch: bool = True) -> BenchResult:
+              repeats: int = 1, max_batch: bool = True, progress: bool = False) -> BenchResult:
     """Measure every cell of `grid` on `model` (already loaded), with `limits` each method's max batch first.
 
     Args:
@@ -102,6 +110,9 @@ def run_bench(model, tokenizer, grid: BenchGrid, limits: MemoryLimits | None = N
         repeats: runs of every grid cell, round by round, the methods of a context and batch in an order rotated
             each round (`eval/spread.py`); a cell's row holds the median of its timings (`TIMED`) and their
             `<field>_min` / `<field>_max`. The max-batch search measures each batch it probes once.
+        progress: draw progress bars on stderr (`dual_cache.progress`): the cells ("cell k of N" and the cell's
+            name; the max-batch search's probes are named, not counted) and, inside each cell, its prefill by layer
+            and decode by token. `log` lines are then written above the bars.
 
     Raises:
         ValueError: `repeats` < 1, or what `grid.validate()` raises.
@@ -114,12 +125,19 @@ def run_bench(model, tokenizer, grid: BenchGrid, limits: MemoryLimits | None = N
         raise ValueError("--cpu-linear gemm is a CPU benchmark condition; use --cpu-linear stock on " + device.type)
     linears = gemm_linears(model) if grid.cpu_linear == "gemm" else contextlib.nullcontext()
     with linears:
-        return _run_bench(model, tokenizer, grid, limits, model_name, max_batch_cap, max_cell_seconds, log,
-                          on_progress or (lambda result: None), keep_going, repeats, max_batch)
+        cells = len(grid.cells(set(skipped_methods(grid, model.device)))) * repeats
+        bar = tqdm(total=cells, desc="bench", unit="cell", file=sys.stderr, dynamic_ncols=True) if progress else None
+        try:
+            return _run_bench(model, tokenizer, grid, limits, model_name, max_batch_cap, max_cell_seconds,
+                              log if bar is None else tqdm.write, on_progress or (lambda result: None), keep_going,
+                              repeats, max_batch, bar)
+        finally:
+            if bar is not None:
+                bar.close()
 
 
 def _run_bench(model, tokenizer, grid, limits, model_name, max_batch_cap, max_cell_seconds, log, on_progress,
-               keep_going, repeats, max_batch):
+               keep_going, repeats, max_batch, bar=None):
     device = model.device
     skip = skipped_methods(grid, device)
     for method, reason in skip.items():
@@ -154,10 +172,16 @@ def _run_bench(model, tokenizer, grid, limits, model_name, max_batch_cap, max_ce
 
     measured: dict[tuple, list[dict]] = {}  # cell -> its runs, in the order cells were first measured
 
-    def measure(key: tuple) -> None:
+    def measure(key: tuple, counted: bool = True) -> None:
         method, context, batch, budget = key
+        if bar is not None:
+            name = f"{method}{'' if budget is None else f'@{budget}'} {context} tokens × {batch}"
+            where = f"cell {bar.n + 1} of {bar.total}" if counted else "max-batch search"
+            bar.set_description(f"{where}: {name}")
         row = run_cell(model, prompts, method, context, batch, budget, grid, model_name=model_name,
-                       host_limit_bytes=host_limit, keep_going=keep_going)
+                       host_limit_bytes=host_limit, keep_going=keep_going, progress=bar is not None)
+        if bar is not None and counted:
+            bar.update(1)
         measured.setdefault(key, []).append(row)
         result.cells = [spread.merge_runs(runs, TIMED) for runs in measured.values()]
         load, highest = spread.load_average(), result.meta["load_average_max"]
@@ -169,9 +193,10 @@ def _run_bench(model, tokenizer, grid, limits, model_name, max_batch_cap, max_ce
     def cell(method: str, context: int, batch: int, budget: int | None) -> dict:
         key = (method, context, batch, budget)
         if key not in measured:
-            measure(key)
+            measure(key, counted=key in grid_cells)
         return spread.merge_runs(measured[key], TIMED)
 
+    grid_cells = set(grid.cells(set(skip)))
     warning = spread.load_warning(result.meta["load_average_max"])
     if warning:
         log(warning)
@@ -311,6 +336,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="runs of every cell, the methods interleaved (rotated each round); cells report the "
                              "median and the min-max of their runs")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress bars (cells, and each cell's prefill and decode; drawn on stderr only when "
+                             "it is a terminal)")
     parser.add_argument("--out", default=None,
                         help="output folder (default: a new eval-results/bench/<device>-<model>-<time>/; "
                              "the project's record is results/bench/, written only when --out names it)")
@@ -415,7 +443,8 @@ def run_from_args(args) -> int:
     result = run_bench(model, tokenizer, grid, limits=limits, model_name=model_name,
                        max_batch_cap=args.max_batch_cap, max_cell_seconds=args.max_cell_seconds,
                        keep_going=args.keep_going, repeats=args.repeats, max_batch=not args.no_max_batch,
-                       on_progress=lambda partial: write_result(partial, out_dir, plots=False, **files))
+                       on_progress=lambda partial: write_result(partial, out_dir, plots=False, **files),
+                       progress=shown(args.quiet))
     from . import bench_report
 
     print()

@@ -21,12 +21,14 @@ def cache_accounting(method: str, cache) -> dict[str, float]:
     Returns `device_bytes`, `host_bytes`, `dense_equivalent_bytes` (what a DynamicCache would hold),
     `bytes_copied` (host→device in total, dual only; NaN where it is derived per step instead),
     `bytes_copied_per_step_estimate` (offloaded only), and the dual telemetry (`overlap_ratio`, `wait_seconds`,
-    `steps`, `spec_hits`, `spec_steps`, `repaired_fraction`; NaN when the cache does not report them), with a device
+    `steps`, `spec_hits`, `spec_steps`, `repaired_fraction`, `retrieval_cpu_seconds` (0 for the caches that do not
+    select), `resident_share`; NaN when the cache does not report them), with a device
     clock (CUDA) the shares of the device's step time it idled waiting for selection copies (`idle_copy_fraction`)
     and without work while the host selected (`idle_host_fraction`), NaN without one.
     """
     empty = {"overlap_ratio": NAN, "wait_seconds": NAN, "steps": NAN, "spec_hits": NAN, "spec_steps": NAN,
-             "repaired_fraction": NAN, "idle_copy_fraction": NAN, "idle_host_fraction": NAN}
+             "repaired_fraction": NAN, "idle_copy_fraction": NAN, "idle_host_fraction": NAN,
+             "retrieval_cpu_seconds": 0.0, "resident_share": NAN}
     if method == "dense":
         total = sum(_layer_bytes(cache))
         return {"device_bytes": total, "host_bytes": 0, "dense_equivalent_bytes": total, "bytes_copied": 0, **empty}
@@ -49,4 +51,6 @@ def cache_accounting(method: str, cache) -> dict[str, float]:
         "repaired_fraction": stats["repaired_steps"] / stats["steps"] if stats.get("steps") else NAN,
         "idle_copy_fraction": stats["device_wait_seconds"] / step if step else NAN,
         "idle_host_fraction": stats["device_starved_seconds"] / step if step else NAN,
+        "retrieval_cpu_seconds": stats.get("retrieval_cpu_seconds", NAN),
+        "resident_share": stats.get("resident_share", NAN),
     }

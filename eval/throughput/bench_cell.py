@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ...cache import available_host_bytes
+from ...progress import GenerationProgress
 from ...timing import TimingStreamer
 from .bench_accounting import cache_accounting
 from .bench_grid import BUDGETED, FORCED_MISS, BenchGrid
@@ -30,7 +31,8 @@ COLUMNS = (
     "prefill_s", "decode_tokens_per_s", "ms_per_step",
     "device_bytes_per_request", "cuda_peak_bytes_per_request", "cuda_decode_peak_bytes_per_request",
     "cuda_peak_total_bytes", "cuda_decode_peak_total_bytes", "host_bytes_per_request",
-    "dense_equivalent_bytes_per_request", "bytes_copied_per_step", "overlap_ratio", "idle_copy_fraction",
+    "dense_equivalent_bytes_per_request", "bytes_copied_per_step", "bytes_copied_per_sequence_step",
+    "host_core_ms_per_sequence_step", "resident_share", "overlap_ratio", "idle_copy_fraction",
     "idle_host_fraction", "wait_seconds", "sync_points_per_step", "sync_points_by_op", "blocked_ms_per_step",
     "spec_hit_rate", "repaired_fraction", "forced_miss_rate", "prompts", "temperature", "top_p", "threads", "error",
 )
@@ -124,7 +126,7 @@ def _generate_kwargs(model, method: str, budget: int | None, grid: BenchGrid, pr
 
 def run_cell(model, prompts: PromptSource, method: str, context: int, batch: int, budget: int | None,
              grid: BenchGrid, new_tokens: int | None = None, model_name: str = "",
-             host_limit_bytes: int | None = None, keep_going: bool = False) -> dict:
+             host_limit_bytes: int | None = None, keep_going: bool = False, progress: bool = False) -> dict:
     """Run one `generate()` and return its row (keys `COLUMNS`); running out of device or host memory sets `error`
     ("out of memory: ...", "host memory: ...") instead of raising.
 
@@ -134,6 +136,8 @@ def run_cell(model, prompts: PromptSource, method: str, context: int, batch: int
             run (`error` "host memory: ..."), and dual / quest caches get it as `max_host_bytes`. None: 85% of the
             host memory available now.
         keep_going: record any other exception as `error` "failed: ..." instead of raising.
+        progress: draw the cell's prefill (by layer) and decode (by token) on stderr
+            (`dual_cache.progress.GenerationProgress`).
     """
     import dual_cache  # noqa: F401  (registers cache_implementation="dual")
 
@@ -158,14 +162,15 @@ def run_cell(model, prompts: PromptSource, method: str, context: int, batch: int
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     probe = StepProbe()
-    timer = StepTimer(cuda_device=device if cuda else None, probe=probe)
+    bars = GenerationProgress(model, ids.shape[1], grid.prefill_chunk_size, new_tokens, enabled=progress)
+    timer = StepTimer(cuda_device=device if cuda else None, probe=probe, inner=bars)
     out = cache = None
     failed = None
     kwargs: dict[str, Any] = {}
     try:
         kwargs = _generate_kwargs(model, method, budget, grid, ids.shape[1], new_tokens, host_limit_bytes)
         timer.cache = kwargs.get("cache")
-        with probe.counting() if grid.count_sync_points else contextlib.nullcontext():
+        with bars, probe.counting() if grid.count_sync_points else contextlib.nullcontext():
             out = model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                 streamer=timer, return_dict_in_generate=True, **kwargs,
@@ -217,6 +222,9 @@ def run_cell(model, prompts: PromptSource, method: str, context: int, batch: int
         host_bytes_per_request=acct["host_bytes"] / batch,
         dense_equivalent_bytes_per_request=acct["dense_equivalent_bytes"] / batch,
         bytes_copied_per_step=copied,
+        bytes_copied_per_sequence_step=copied / batch,
+        host_core_ms_per_sequence_step=1000 * acct["retrieval_cpu_seconds"] / (steps * batch) if steps else NAN,
+        resident_share=acct["resident_share"],
         overlap_ratio=acct["overlap_ratio"], idle_copy_fraction=acct["idle_copy_fraction"],
         idle_host_fraction=acct["idle_host_fraction"], wait_seconds=acct["wait_seconds"],
         spec_hit_rate=(acct["spec_hits"] / acct["spec_steps"]) if acct["spec_steps"] else NAN,

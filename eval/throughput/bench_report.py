@@ -54,12 +54,13 @@ def cell_table(cells: list[dict]) -> str:
     same context and batch, `dev/dense` its device bytes per request over dense's; `sync/step` and `blocked ms/step`
     the launch thread's synchronization points and blocked milliseconds per decode step (`launch_thread.py`)."""
     head = ("| method | context | batch | TTFT s | decode tok/s | ms/step | device MiB/req | CUDA peak MiB/req all / decode | "
-            "host MiB/req | copied MiB/step | overlap (GPU idle: copy / host) | wait s | sync/step | blocked ms/step | "
+            "host MiB/req | copied MiB/step | copied MB/seq-step | host core-ms/seq-step | resident share | "
+            "overlap (GPU idle: copy / host) | wait s | sync/step | blocked ms/step | "
             "hit rate | repaired | ×dense tok/s | ×offl tok/s | dev/dense bytes |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in cells:
         if row["error"] is not None:
-            lines.append(f"| {label(row)} | {row['context']} | {row['batch']} | error: {row['error']} |" + " |" * 15)
+            lines.append(f"| {label(row)} | {row['context']} | {row['batch']} | error: {row['error']} |" + " |" * 18)
             continue
         dense = _baseline(cells, "dense", row["context"], row["batch"])
         offl = _baseline(cells, "offloaded", row["context"], row["batch"])
@@ -71,6 +72,9 @@ def cell_table(cells: list[dict]) -> str:
             f"{mib(row['device_bytes_per_request'])} | {mib(row['cuda_peak_bytes_per_request'])} / "
             f"{mib(row['cuda_decode_peak_bytes_per_request'])} | "
             f"{mib(row['host_bytes_per_request'])} | {mib(row['bytes_copied_per_step'])} | "
+            f"{_num(row.get('bytes_copied_per_sequence_step', math.nan) / 1e6, '{:.2f}')} | "
+            f"{_num(row.get('host_core_ms_per_sequence_step', math.nan), '{:.2f}')} | "
+            f"{_num(row.get('resident_share', math.nan), '{:.0%}')} | "
             f"{_num(row['overlap_ratio'])}{_idle(row)} | {_num(row['wait_seconds'])} | "
             f"{with_range(row, 'sync_points_per_step', '{:.1f}')} | {with_range(row, 'blocked_ms_per_step', '{:.1f}')} | "
             f"{_num(row['spec_hit_rate'], '{:.0%}')} | "
