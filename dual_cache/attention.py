@@ -29,7 +29,7 @@ def dual_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     *,
-    own: Callable,
+    model_attention: Callable,
     call: DualCall,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -42,8 +42,8 @@ def dual_attention(
             True = attend) or additive float (`eager`, 0 = attend), or None (causal, no padding); used by
             prefill. Decode masks with the cache's own per-entry positions and validity (pads never enter the
             tiers).
-        own: the model's own attention function (same signature); computes prefill over the layer's keys and
-            values, and every layer that is not a `DualLayer` (sliding-window layers).
+        model_attention: the model's own attention function (same signature); computes prefill over the layer's keys
+            and values, and every layer that is not a `DualLayer` (sliding-window layers).
         call: the forward's plan (`call.DualCall`: the cache's layers and, in a decode step, its rows).
         kwargs: the model's attention options; `softcap` (logit soft-capping, Gemma 2) is applied in decode too.
 
@@ -56,14 +56,14 @@ def dual_attention(
     """
     layer = call.layers[module.layer_idx]
     if not isinstance(layer, DualLayer):
-        return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return model_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if dropout:
         raise refuse("attention dropout or attention sinks", f"Attention dropout {dropout}")
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     if not layer.decoding:
         keys, values = layer.prefill_kv(key, value)
         layer.end_prefill_chunk(query[:, :, -1], scaling)
-        return own(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
+        return model_attention(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
 
     q_len = query.shape[2]
     step = layer.begin_attention(query, scaling, call.rows, kwargs.get("softcap"))

@@ -332,7 +332,7 @@ class HostKVStore:
             out[1].copy_(values)
             return out[0], out[1]
         out_keys, out_values = out if out is not None else (None, None)
-        own = self.own_rows(rows, indices.shape[0])
+        own = self.flat_rows(rows, indices.shape[0])
         shared = torch.arange(indices.shape[1]).view(1, -1, 1)  # a shared chunk's rows: one sequence
         return self._gather(0, indices, out_keys, own, shared), self._gather(1, indices, out_values, own, shared)
 
@@ -347,7 +347,7 @@ class HostKVStore:
         self._gather(0, positions, out[0], rows, shared)
         self._gather(1, positions, out[1], rows, shared)
 
-    def own_rows(self, rows: Sequence[int] | None, batch: int) -> torch.Tensor:
+    def flat_rows(self, rows: Sequence[int] | None, batch: int) -> torch.Tensor:
         """`(b, H_kv, 1)` int64 flat `(sequence, KV head)` rows of sequences `rows` (None: `0 … batch - 1`).
 
         Raises:
@@ -365,7 +365,7 @@ class HostKVStore:
                 shared: torch.Tensor) -> torch.Tensor:
         """Rows of keys (`which=0`) or values (1) at `indices` (any shape), copied whole (`D` contiguous elements
         each) with `index_select` from each chunk viewed as `(B·H_kv·tokens, D)`; `own` and `shared` (broadcastable
-        to `indices`) are the flat `(sequence, KV head)` rows of each index (`own_rows`) and, in a chunk the batch
+        to `indices`) are the flat `(sequence, KV head)` rows of each index (`flat_rows`) and, in a chunk the batch
         shares (batch 1), its KV head."""
         shape = (*indices.shape, self.head_dim)
         target = out if out is not None else torch.empty(shape, dtype=self.dtype)

@@ -367,7 +367,7 @@ class DualLayer(CacheLayerMixin):
                 count = staging.count = plan.count
                 staging.slots[:count] = plan.slots
                 staging.positions[:count] = plan.positions
-                store.gather_rows(plan.rows, plan.positions.clamp(min=0),
+                store.gather_rows(plan.flat_heads, plan.positions.clamp(min=0),
                                   (staging.keys[:count], staging.values[:count]))
             return plan
 

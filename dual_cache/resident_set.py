@@ -8,7 +8,9 @@ the device, because the mirror is updated by every plan in the order the device 
 keys and values cross to the device, where `apply` writes them into their slots in stream order. The set's device
 bytes are `capacity × (2 × D × dtype + 8)` per (sequence, KV head), independent of the context.
 
-Slots are flat indices `(b · H_kv + h) · capacity + c`, so one `index_copy_` per tensor writes a whole delta.
+Slots are flat indices `(b · H_kv + h) · capacity + c`, so one `index_copy_` per tensor writes a whole delta. The
+plan runs in the native engine's library (`engine/resident_plan.cpp`, a few microseconds per row), with a pure-torch
+reference beside it (`_plan_reference`) that tests hold it to.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .engine import native as engine_native
 from .kernels import KVSegment
 
 
@@ -27,13 +30,13 @@ class Plan:
     Attributes:
         slots: flat resident slots the entries are written into.
         positions: their token positions (-1: the slot is emptied, `exclusive`).
-        rows: the flat `(sequence, KV head)` row of each, `b · H_kv + h` over the set's batch.
+        flat_heads: the flat `(sequence, KV head)` row of each, `b · H_kv + h` over the set's batch.
         wanted: entries the step wanted resident; resident: how many of them already were (the rest is the delta).
     """
 
     slots: torch.Tensor
     positions: torch.Tensor
-    rows: torch.Tensor
+    flat_heads: torch.Tensor
     wanted: int = 0
     resident: int = 0
 
@@ -78,7 +81,7 @@ class ResidentSet:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes + self.positions.nbytes
 
     def plan(self, wanted: torch.Tensor, valid: torch.Tensor, rows: list[int] | None = None,
-             used: torch.Tensor | None = None, exclusive: bool = False) -> Plan:
+             used: torch.Tensor | None = None, exclusive: bool = False, native: bool | None = None) -> Plan:
         """Make the `valid` `wanted` positions resident (host side): the positions not resident yet get slots, and the
         mirror records them.
 
@@ -92,17 +95,58 @@ class ResidentSet:
                 exactly what this step wants (selectors that choose at the step that uses them, whose attention is
                 exactly their choice).
 
+            native: run the native plan (`engine/resident_plan.cpp`; None: when the engine library loads) or the
+                pure-torch reference (`_plan_reference`, which defines it: the same slots, positions and mirror).
+
         Returns:
             The `Plan` (empty when everything wanted is resident).
 
         Raises:
-            ValueError: when a row wants more distinct positions than the capacity.
+            ValueError: when a row wants more distinct positions than the capacity (nothing is changed).
         """
+        library = engine_native.library() if native is not False else None
+        if native and library is None:
+            raise RuntimeError("The native resident-set plan was asked for, but the engine library is unavailable.")
+        if library is None:
+            return self._plan_reference(wanted, valid, rows, used, exclusive)
+        self.step += 1
+        ids = torch.arange(self.batch) if rows is None else torch.tensor(rows, dtype=torch.long)
+        groups = ids.shape[0] * self.kv_heads
+        held = self.host_positions[ids].contiguous()  # copies: the mirror changes only if the plan succeeds
+        stamps = self.stamps[ids].contiguous()
+        marked = torch.where(valid, wanted, -1).to(torch.long).contiguous()
+        used = None if used is None else used.to(torch.long).expand(ids.shape[0], self.kv_heads, -1).contiguous()
+        room = groups * max(marked.shape[2], self.capacity)
+        group_of, local, positions = (torch.empty(room, dtype=torch.long) for _ in range(3))
+        totals = torch.zeros(2, dtype=torch.long)
+        count = library.dc_plan(groups, self.capacity, marked.shape[2], 0 if used is None else used.shape[2],
+                                held.data_ptr(), stamps.data_ptr(), marked.data_ptr(),
+                                None if used is None else used.data_ptr(), self.step, int(exclusive),
+                                group_of.data_ptr(), local.data_ptr(), positions.data_ptr(), totals.data_ptr())
+        if count < 0:
+            self.step -= 1
+            raise ValueError(f"A step wants more distinct entries per KV head than the resident set holds "
+                             f"({self.capacity}); raise the resident capacity.")
+        self.host_positions[ids] = held
+        self.stamps[ids] = stamps
+        group_of, local, positions = group_of[:count], local[:count], positions[:count]
+        flat_heads = ids[torch.div(group_of, self.kv_heads, rounding_mode="floor")] * self.kv_heads + \
+            group_of % self.kv_heads
+        wanted_total, resident_total = totals.tolist()
+        return Plan(flat_heads * self.capacity + local, positions, flat_heads, wanted=wanted_total,
+                    resident=resident_total)
+
+    def _plan_reference(self, wanted: torch.Tensor, valid: torch.Tensor, rows: list[int] | None,
+                        used: torch.Tensor | None, exclusive: bool) -> Plan:
+        """`plan` in plain torch over every row at once (the native plan's definition; arguments as `plan`): keys
+        `position + row · span` put every row in a key space of its own, so one `isin` finds what is wanted and
+        resident; victims by a stable sort of (empty first, then the last step used)."""
         self.step += 1
         ids = torch.arange(self.batch) if rows is None else torch.tensor(rows, dtype=torch.long)
         held = self.host_positions[ids]  # (b, H, C)
         stamps = self.stamps[ids]
-        span = int(max(int(wanted.max()) if wanted.numel() else 0, int(held.max())) + 2)
+        tops = [int(t.max()) for t in (wanted, held, used) if t is not None and t.numel()]
+        span = max(tops, default=0) + 2  # past every position: the rows' key spaces never overlap
         groups = ids.shape[0] * self.kv_heads
         offset = torch.arange(groups).view(-1, self.kv_heads, 1) * span  # one key space per (row, KV head)
         held_keys = torch.where(held >= 0, held + offset, -1)
@@ -118,6 +162,7 @@ class ResidentSet:
         need = torch.bincount(group_of, minlength=groups)  # (b·H,)
         free = (~is_wanted).view(groups, self.capacity)
         if bool((need > free.sum(-1)).any()):
+            self.step -= 1
             raise ValueError(f"A step wants more distinct entries per KV head than the resident set holds "
                              f"({self.capacity}); raise the resident capacity.")
         order = torch.where(held.view(groups, -1) < 0, -1, stamps.view(groups, -1))  # empty slots first
@@ -140,8 +185,8 @@ class ResidentSet:
         self.host_positions[ids] = held
         self.stamps[ids] = stamps
         b, h = torch.div(group_of, self.kv_heads, rounding_mode="floor"), group_of % self.kv_heads
-        set_rows = ids[b] * self.kv_heads + h
-        return Plan(set_rows * self.capacity + local, positions, set_rows, wanted=int(want_keys.numel()),
+        flat_heads = ids[b] * self.kv_heads + h
+        return Plan(flat_heads * self.capacity + local, positions, flat_heads, wanted=int(want_keys.numel()),
                     resident=int(want_keys.numel() - missing.numel()))
 
     def carried(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,11 +220,11 @@ class ResidentSet:
         self.step = int(self.stamps.max()) if self.stamps.numel() else 0
         slots = (self.host_positions >= 0).flatten().nonzero().flatten()
         if slots.numel():
-            rows = torch.div(slots, self.capacity, rounding_mode="floor")
+            flat_heads = torch.div(slots, self.capacity, rounding_mode="floor")
             held = self.host_positions.flatten()[slots]
             keys = torch.empty(slots.numel(), self.dim, dtype=self.dtype)
             values = torch.empty_like(keys)
-            store.gather_rows(rows, held, (keys, values))
+            store.gather_rows(flat_heads, held, (keys, values))
             self.apply(slots.to(self.device), held.to(self.device), keys.to(self.device), values.to(self.device))
         return int(slots.numel())
 

@@ -36,7 +36,7 @@ class AttentionProbe:
         self.layers: set[int] = set()
         self.unsupported: dict[int, list[str]] = {}
 
-    def attend(self, own: Callable, module, query, key, value, attention_mask, **kwargs):
+    def attend(self, model_attention: Callable, module, query, key, value, attention_mask, **kwargs):
         layer_idx = getattr(module, "layer_idx", None)
         self.layers.add(layer_idx)
         refused = [name for name in ("s_aux", "sinks") if kwargs.get(name) is not None]
@@ -44,21 +44,22 @@ class AttentionProbe:
             refused.append(f"dropout={kwargs['dropout']}")
         if refused:
             self.unsupported[layer_idx] = refused
-        return own(module, query, key, value, attention_mask, **kwargs)
+        return model_attention(module, query, key, value, attention_mask, **kwargs)
 
 
-def routed(own: Callable) -> Callable:
-    """The attention function a module gets: `own` unless the call carries `dual_cache`."""
+def routed(model_attention: Callable) -> Callable:
+    """The attention function a module gets: `model_attention` (the model's own) unless the call carries
+    `dual_cache`."""
 
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         call = kwargs.pop("dual_cache", None)
         if call is None:
-            return own(module, query, key, value, attention_mask, *args, **kwargs)
+            return model_attention(module, query, key, value, attention_mask, *args, **kwargs)
         if isinstance(call, AttentionProbe):
-            return call.attend(own, module, query, key, value, attention_mask, *args, **kwargs)
-        return _dual(module, query, key, value, attention_mask, *args, own=own, call=call, **kwargs)
+            return call.attend(model_attention, module, query, key, value, attention_mask, *args, **kwargs)
+        return _dual(module, query, key, value, attention_mask, *args, model_attention=model_attention, call=call, **kwargs)
 
-    attention.__wrapped__ = own
+    attention.__wrapped__ = model_attention
     return attention
 
 

@@ -327,6 +327,7 @@ def test_lowbit_selector_with_a_shortlist_of_everything_selects_what_exact_selec
     candidates = Candidates(mask, torch.tensor([0, 37]))
     exact = SELECTORS["exact"](DualDecoderConfig(), 24, store, "cpu").select(query, candidates, 0.25)
     lowbit = SELECTORS["lowbit"](DualDecoderConfig(selector="lowbit", lowbit_factor=100), 24, store, "cpu")
+    lowbit.extend(candidates.end, candidates.first_real)  # the index, built apart from the query
     got = lowbit.select(query, candidates, 0.25)
     assert lowbit.n_groups == [5, 5]  # the index was built and scanned
     assert torch.equal(got[0], exact[0]) and torch.equal(got[1], exact[1])

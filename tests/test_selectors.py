@@ -129,6 +129,8 @@ def test_a_shared_prefix_selects_what_each_sequence_with_its_own_copy_selects(na
     copies = _selector(name, _store(torch.cat([prefix.expand(3, -1, -1, -1), own], dim=2)))
     mask = torch.arange(340)[None, :].expand(3, -1) >= 2
     starts = torch.zeros(3, dtype=torch.long)
+    for selector in (shared, copies):  # index maintenance is the caller's (a decode step's job), apart from select
+        selector.extend(340, starts)
     a, b = (selector.select(query, Candidates(mask, starts), 0.3) for selector in (shared, copies))
     assert torch.equal(a[1], b[1])
     for row in range(3):

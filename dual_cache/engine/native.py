@@ -1,4 +1,5 @@
-"""Build, load and call the native selection engine (`selection_engine.cpp`), a plain C ABI through `ctypes`.
+"""Build, load and call the native selection engine (`selection_engine.cpp`, and the resident set's plan,
+`resident_plan.cpp`, in the same library), a plain C ABI through `ctypes`.
 
 Why C++ through `ctypes` (not a torch extension, not numba): the engine only reads raw host buffers, so it needs no
 torch headers and no ABI match with the installed torch (the CUDA test machine runs another torch version), it
@@ -32,6 +33,8 @@ import warnings
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("selection_engine.cpp")
+# every source built into the library: the engine, and the resident set's plan (`resident_set.py`)
+SOURCES = (SOURCE, Path(__file__).with_name("resident_plan.cpp"))
 VARIANTS = {  # name: (compiler flags, feature bit the CPU must report)
     "scalar": ([], 0),
     "avx2": (["-mavx2", "-mfma", "-mf16c", "-mbmi2"], 1),
@@ -83,7 +86,8 @@ def _is_x86() -> bool:
 
 def build_dir() -> Path:
     """Where the variants of the current source are built (one folder per source hash and compiler)."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(COMMON_FLAGS).encode() + str(_compiler()).encode())
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + " ".join(COMMON_FLAGS).encode()
+                            + str(_compiler()).encode())
     root = os.environ.get("DUAL_CACHE_ENGINE_DIR") or Path.home() / ".cache" / "dual-cache" / "engine"
     return Path(root) / digest.hexdigest()[:16]
 
@@ -101,7 +105,7 @@ def _build(variant: str) -> Path:
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
         temporary = Path(tmp.name)
     try:
-        result = subprocess.run([compiler, *COMMON_FLAGS, *flags, str(SOURCE), "-o", str(temporary)],
+        result = subprocess.run([compiler, *COMMON_FLAGS, *flags, *map(str, SOURCES), "-o", str(temporary)],
                                 capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed building the {variant} engine:\n{result.stderr[-2000:]}")
@@ -125,6 +129,9 @@ def _load(variant: str) -> ctypes.CDLL:
         library.dc_quantize.restype = None
         library.dc_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        library.dc_plan.restype = ctypes.c_int64
+        library.dc_plan.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int] + \
+            [ctypes.c_void_p] * 4
         library.dc_release_scratch.restype = None
         library.dc_last_threads.restype = ctypes.c_int
         library.dc_note_fork.restype = None

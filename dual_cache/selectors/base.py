@@ -83,8 +83,8 @@ class Selector:
         return candidate_count <= self.budget
 
     def extend(self, length: int, first_real: torch.Tensor, sequences: Sequence[int] | None = None) -> None:
-        """Index the committed positions `[0, length)` of some sequences (called per prefill chunk; decode steps
-        extend the index from `select`, up to the selectable range).
+        """Index the committed positions `[0, length)` of some sequences (called per prefill chunk, and by each decode
+        step's job before it selects, up to the selectable range; `select` itself never changes the index).
 
         Args:
             length: committed tokens per sequence (tokens); every position below it is final.
@@ -189,6 +189,8 @@ class Selector:
                 return Wanted(positions, valid)
             store.wait_written()
             picked = candidates if rows is None else candidates.subset(ids)
+            # index maintenance first (the committed positions up to the step's selectable end), apart from the query
+            self.extend(picked.end, picked.first_real, None if picked.sequences is None else list(picked.sequences))
             queries = query if rows is None else query[ids]
             mine = [i for i, row in enumerate(ids) if row not in exact]
             for select, part in ((self.select, mine), (self.select_exact, [i for i in range(len(ids)) if i not in mine])):
@@ -233,7 +235,7 @@ class Selector:
         (`dual_cache.engine.select` without an index), whatever this selector's policy; arguments and result as
         `select`, and with `out` the gather of `select_into` in the same engine call. Raises `ValueError` for
         rows outside the store's batch."""
-        self.store.own_rows(candidates.ids, query.shape[0])  # ValueError for rows outside the batch
+        self.store.flat_rows(candidates.ids, query.shape[0])  # ValueError for rows outside the batch
         keys = self.store.key_chunks(candidates.end)
         values = None if out is None else self.store.value_chunks(candidates.end)
         return engine.select(query.float().contiguous(), candidates.mask, keys,

@@ -253,7 +253,6 @@ class LowBitSelector(Selector):
         batch = self.store.shape_prefix[0]
         if len(rows) != query.shape[0] or rows and (min(rows) < 0 or max(rows) >= batch):
             raise ValueError(f"Sequences {rows} are not {query.shape[0]} sequences of this store's batch of {batch}.")
-        self.extend(candidates.end, candidates.first_real, rows)
         query = query if query.dtype == torch.float32 else query.float()
         return engine.select(query, candidates.mask, self._chunks(out is not None),
                              budget, scaling, self._index_view(), self.shortlist_for(budget), self.quads, out=out,

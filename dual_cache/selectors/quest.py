@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..retrieval import page_bounds, select_pages
+from ..quest_pages import page_bounds, select_pages
 from ..selection import Candidates
 from .base import Selector, require_block_multiples
 
@@ -40,8 +40,10 @@ class QuestSelector(Selector):
     def selects_everything(self, candidate_count: int) -> bool:
         return False
 
-    def extend(self, length: int, first_real: torch.Tensor) -> None:
-        """Recompute the bounds of the pages touched since the last call (from the host keys)."""
+    def extend(self, length: int, first_real: torch.Tensor, sequences=None) -> None:
+        """Recompute the bounds of the pages touched since the last call (from the host keys), up to every stored
+        token (at least `length`; the metadata covers the whole batch, whatever `sequences`)."""
+        length = max(length, self.store.length)
         page = self.config.block_size
         first = min(self.indexed, length) // page
         pages = -(-length // page)
@@ -64,7 +66,6 @@ class QuestSelector(Selector):
 
     def select(self, query: torch.Tensor, candidates: Candidates, scaling: float,
                budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        self.extend(self.store.length, candidates.first_real)
         pages = -(-candidates.end // self.config.block_size)
         rows = candidates.ids
         indices, valid = select_pages(

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dual_cache import retrieval
+from dual_cache import quest_pages
 from dual_cache.eval.selection import torch_exact
 from dual_cache.host_memory import live_host_bytes
 from dual_cache.host_store import HostKVStore
@@ -131,8 +131,8 @@ def test_bf16_mass_over_a_shared_chunk_equals_the_per_sequence_mass(seed):
 def test_quest_pages_match_brute_force_bound(seed):
     query, keys, candidates = _inputs(seed, n=50)
     page, budget = 8, 24
-    page_min, page_max = retrieval.page_bounds(keys, page)
-    indices, valid = retrieval.select_pages(query, page_min, page_max, candidates, budget, page)
+    page_min, page_max = quest_pages.page_bounds(keys, page)
+    indices, valid = quest_pages.select_pages(query, page_min, page_max, candidates, budget, page)
     groups = query.shape[1] // keys.shape[1]
     for b in range(query.shape[0]):
         for h in range(keys.shape[1]):
