@@ -18,8 +18,9 @@
 #                 each one's max batch, the limit that bound, tokens/s, x best baseline, and dual's GPU idle per step
 #                 (waiting for copies + starved by host selection)
 #   1a      50 s  the Triton kernel's CUDA tests (compiled kernel == torch reference): one PASSED line per test
-#   4       50 s  issues 14 and 57: 32K decode at batch 1 and 8, dense vs dual (the defaults): ms/step, overlap,
-#                 idle parts, host syncs per step
+#   4       50 s  issues 14, 57 and 62: 32K decode at batch 1 and 8, dense vs dual (the defaults): ms/step, overlap,
+#                 idle parts, host syncs per step, host->device bytes and host core-ms per sequence-step, the share
+#                 of a step's selection already resident (the ceilings of docs/design.md against the GPU's own step)
 #   5       20 s  issue 27: host selection alone at 32K on this host's cores (lowbit and exact through the engine)
 #   1b      20 s  kernel vs torch reference, us per layer call
 #   3b       0 s  max batch at 128K: only with time left over; else the rerun (STAGES=3b TOTAL_S=200)

@@ -37,3 +37,34 @@ def test_natural_prompts_are_distinct_passages_of_the_requested_length(embedded)
     assert 480 <= len(first) <= 512 and 480 <= len(second) <= 512
     assert first != second
     assert natural_prompt_ids(tokenizer, 512, 0) == first
+
+
+def test_scan_bounds_never_skip_a_group_holding_a_shortlisted_position():
+    """The bound of `scan_bounds` (per-channel group range and the query's sign) is sound: on random queries and keys
+    (fresh seeds) a group it calls skippable holds no position of the shortlist, and a shortlist of every position
+    skips nothing."""
+    from dual_cache.engine.codes import GROUP
+    from dual_cache.eval.selection.scan_bounds import skippable
+
+    seed = int(torch.randint(0, 2**31, ()).item())
+    generator = torch.Generator().manual_seed(seed)
+    kv_heads, group, dim, first, groups = 2, 3, 16, 4, 12
+    query = torch.randn(1, kv_heads * group, dim, generator=generator) * 3
+    keys = torch.randn(1, kv_heads, first + groups * GROUP + 5, dim, generator=generator)
+    keys[0, :, first + 5 * GROUP : first + 6 * GROUP] *= 0.05  # a quiet group: some bound must fall below
+    end = first + groups * GROUP
+    (skip_all, total), (skip_some, _) = skippable(query, keys, first, end, 0.25, [groups * GROUP, 8])
+    assert total == kv_heads * groups and skip_all == 0, f"seed {seed}"
+    q = query[0].view(kv_heads, group, dim)
+    k = keys[0, :, first:end]
+    logits = 0.25 * torch.einsum("hgd,hnd->hgn", q, k)
+    score = (logits - torch.logsumexp(logits, -1, keepdim=True)).amax(1)  # (H_kv, positions)
+    top = score.topk(8, dim=-1).indices // GROUP  # the shortlist's groups
+    low, high = k.view(kv_heads, groups, GROUP, dim).amin(2), k.view(kv_heads, groups, GROUP, dim).amax(2)
+    upper = 0.25 * torch.maximum(q[:, :, None, :] * low[:, None], q[:, :, None, :] * high[:, None]).sum(-1)
+    bound = (upper - torch.logsumexp(logits, -1)[..., None]).amax(1)
+    assert (bound.view(kv_heads, groups, 1) >= score.view(kv_heads, groups, GROUP) - 1e-5).all(), f"seed {seed}"
+    threshold = score.topk(8, dim=-1).values[:, -1:]
+    skipped = bound < threshold
+    assert not skipped.gather(1, top).any(), f"seed {seed}"
+    assert skip_some == int(skipped.sum()) > 0, f"seed {seed}"
