@@ -68,6 +68,8 @@ class DualDecoderCache(Cache):
         if dual_config is not None and options:
             raise ValueError("Pass either `dual_config` or option keywords to DualDecoderCache, not both.")
         self.dual_config = dual_config if dual_config is not None else DualDecoderConfig.from_dict(options)
+        if dual_config is not None:
+            dual_config.validate()  # fields may have been changed since the config was built
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self.text_config = text_config
         check_attention_model(text_config)  # before any attribute of attention is read

@@ -261,8 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="lowbit: fraction of the key channels the 2-bit scan reads, in (0, 1] "
                             f"(default: {base.lowbit_channels})")
         p.add_argument("--fetch-factor", type=int, default=given,
-                       help="entries fetched per step and KV head as a multiple of the budget; the real token's "
-                            f"query picks the budget among them on the device (default: {base.fetch_factor})")
+                       help="entries each step's selection chooses per KV head, as a multiple of the budget; the "
+                            "layer's resident set (resident_factor x budget, --cache-config) holds them beside earlier "
+                            f"steps' choices (default: {base.fetch_factor})")
         p.add_argument("--miss-repair", action=argparse.BooleanOptionalAction, default=given,
                        help="re-select a mis-speculated step's entries with the real token's query, synchronously "
                             f"(the step waits for the host in each layer) (default: {'on' if base.miss_repair else 'off'})")

@@ -56,11 +56,10 @@ class DualDecoderConfig:
             token per forward, no speculation: each step uses the entries the previous real token's query chose
             (prefetched a step early, as a speculated query's).
         fetch_factor: entries per KV head a prefetched selection fetches, as a multiple of the layer's budget: the
-            speculated token's query chooses `fetch_factor × budget` candidates a step early, and the real token's
-            query picks the `budget` it attends to among them on the device (`rerank.py`), so a wrong guess (and a
-            request's first step) never makes the step wait for the host. 1 fetches exactly the budget (the
-            speculated token's choice is attended as it is). Device bytes of the selection slots and host→device
-            bytes per step grow by this factor; the measured choice is in docs/design.md.
+            speculated token's query chooses `fetch_factor × budget` entries a step early, which the layer's
+            resident set holds beside what earlier steps chose (the real token attends to the set: a wrong guess,
+            or a request's first step, never makes the step wait for the host). Host selection and host→device
+            bytes per step grow with this factor; the measured choice is in docs/design.md.
         resident_factor: entries each full-attention layer keeps on the device per KV head across steps (its
             resident set), as a multiple of the layer's budget (at least what one step wants: `fetch_factor ×
             budget`, plus `budget` with `fetch_next`): each step copies only the entries its selection wants that
@@ -290,8 +289,10 @@ class DualDecoderConfig:
         if self.resident_factor < wanted:
             raise ValueError(
                 f"`resident_factor` ({self.resident_factor}) must be at least what one step wants resident, "
-                f"fetch_factor{' + 1 (fetch_next)' if self.fetch_next else ''} = {wanted}: raise resident_factor or "
-                "lower fetch_factor.")
+                f"fetch_factor{' + 1 (fetch_next)' if self.fetch_next else ''} = {wanted}: raise resident_factor "
+                f"(cache_config {{\"resident_factor\": {wanted}}}; on the command line --cache-config)"
+                + (" or lower fetch_factor" if self.fetch_factor > 1 else "")
+                + (", or set fetch_next=False" if self.fetch_next else "") + ".")
         if self.resident_attention not in RESIDENT_ATTENTION:
             raise ValueError(f"`resident_attention` must be one of {RESIDENT_ATTENTION}, got "
                              f"{self.resident_attention!r}.")

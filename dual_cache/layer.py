@@ -233,11 +233,14 @@ class DualLayer(CacheLayerMixin):
     def _capacity_for(self, tokens: int) -> int:
         """Resident entries per KV head for a request of `tokens` tokens: `resident_factor × budget` for a prefetched
         selector (at least what one step wants), else exactly what one step selects (those selectors attend to their
-        choice alone). It follows the budget alone (a request shorter than the budget lowers it), so a sequence moved
-        into another request's cache (`regroup`) keeps its set's size."""
+        choice alone); never more than the positions a step can ever select (`tokens` minus the window and the
+        sink), so a short request holds no slot that could never fill. Past that it follows the budget alone (a
+        request shorter than the budget lowers it), so a sequence moved into another request's cache (`regroup`)
+        keeps its set's size."""
         if not SELECTORS[self.config.selector].prefetched:
             return max(1, self.fetch_budget)
-        return max(1, self.fetch_budget + self.next_budget, self.config.resident_factor * self.request_budget)
+        wanted = max(self.fetch_budget + self.next_budget, self.config.resident_factor * self.request_budget)
+        return max(1, min(wanted, tokens - self.config.window - self.config.n_sink))
 
     @property
     def exclusive(self) -> bool:
@@ -374,9 +377,10 @@ class DualLayer(CacheLayerMixin):
         return job
 
     def _staging_rows(self, batch: int) -> int:
-        """Rows of a delta's staging: the most one step can copy (everything wanted, or the whole set's slots when
-        it holds exactly each step's choice)."""
-        per_head = max(self.fetch_budget + self.next_budget, self.capacity if self.exclusive else 0)
+        """Rows of a delta's staging: the most one step can copy per KV head — everything wanted, but never more than
+        the set's slots (a plan never wants more distinct entries than the capacity), and exactly the set's slots
+        when it holds each step's choice alone (new entries and emptied slots)."""
+        per_head = self.capacity if self.exclusive else min(self.fetch_budget + self.next_budget, self.capacity)
         return batch * self.host.shape_prefix[1] * per_head
 
     def submit_selection(self, handoff: Handoff, committed: int) -> None:

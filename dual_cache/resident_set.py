@@ -31,6 +31,7 @@ class Plan:
         slots: flat resident slots the entries are written into.
         positions: their token positions (-1: the slot is emptied, `exclusive`).
         flat_heads: the flat `(sequence, KV head)` row of each, `b · H_kv + h` over the set's batch.
+        The order of the entries is unspecified (their slots are distinct, so `apply` writes them in any order).
         wanted: entries the step wanted resident; resident: how many of them already were (the rest is the delta).
     """
 
@@ -104,6 +105,7 @@ class ResidentSet:
         Raises:
             ValueError: when a row wants more distinct positions than the capacity (nothing is changed).
         """
+        valid = valid & (wanted >= 0)  # a negative position is never wanted, whatever `valid` says
         library = engine_native.library() if native is not False else None
         if native and library is None:
             raise RuntimeError("The native resident-set plan was asked for, but the engine library is unavailable.")

@@ -68,3 +68,22 @@ def test_scan_bounds_never_skip_a_group_holding_a_shortlisted_position():
     skipped = bound < threshold
     assert not skipped.gather(1, top).any(), f"seed {seed}"
     assert skip_some == int(skipped.sum()) > 0, f"seed {seed}"
+
+
+def test_speculator_variants_count_hits_through_generate_and_restore_the_library_speculator():
+    """Every variant of `speculator_variants` decodes through `generate()` with the dual cache and counts one
+    speculated step per decode step after the first; the library's speculator factory is back afterwards."""
+    from types import SimpleNamespace
+
+    from dual_cache import step
+    from dual_cache.eval.selection import speculator_variants as tool
+
+    model = tiny_llama(seed=5)
+    made = step.make_speculator
+    prompt = torch.randint(3, 90, (150,), generator=torch.Generator().manual_seed(6)).tolist()
+    prompt[100:120] = prompt[20:40]  # a copied span: lookup has something to find
+    for variant in tool.VARIANTS:
+        for sample in (False, True):
+            hit, steps = tool.hits(model, SimpleNamespace(eos_token_id=0), prompt, variant, 16, 6, sample)
+            assert steps == 5 and 0 <= hit <= steps, (variant, sample)
+    assert step.make_speculator is made

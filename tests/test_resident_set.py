@@ -18,6 +18,7 @@ def _step(generator, batch, kv_heads, width, context, step):
     wanted = torch.randint(0, context, (batch, kv_heads, width), generator=generator)
     wanted[..., : width // 2] = torch.arange(width // 2) + step
     valid = torch.rand(batch, kv_heads, width, generator=generator) < 0.9
+    wanted[..., -1] = -1  # a negative position marked valid is never wanted (nor a neighbour row's)
     used = torch.randint(0, context, (batch, kv_heads, width // 2), generator=generator)
     used = torch.where(torch.rand(batch, kv_heads, width // 2, generator=generator) < 0.8, used, -1)
     return wanted, valid, used
@@ -77,7 +78,7 @@ def test_delta_copies_hold_what_a_full_copy_would(use_native):
                 held = positions[b, h][present[b, h]]
                 full = keys[b, h, held]  # what a full copy of these positions would hold
                 assert torch.equal(held_keys[b, h][present[b, h]], full), f"seed {seed}, step {step}"
-                need = set(wanted[b, h][valid[b, h]].tolist())
+                need = set(wanted[b, h][valid[b, h] & (wanted[b, h] >= 0)].tolist())
                 assert need <= set(held.tolist()), f"seed {seed}, step {step}: a wanted entry is not resident"
         slots = resident.positions.view(-1) >= 0
         assert torch.equal(resident.values.view(-1, dim)[slots],
@@ -102,3 +103,18 @@ def test_a_plan_wanting_more_than_the_capacity_is_refused_and_changes_nothing(us
 def test_a_resident_set_needs_a_capacity():
     with pytest.raises(ValueError, match="capacity >= 1"):
         ResidentSet(1, 1, 0, 4, torch.float32, "cpu")
+
+
+def test_a_short_request_holds_no_slot_that_could_never_fill():
+    """A request shorter than `resident_factor × budget` gets at most the positions a step can ever select (its
+    tokens minus window and sink) per KV head, not `resident_factor ×` them."""
+    from dual_cache import DualDecoderCache
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama(seed=8)
+    prompt = torch.randint(3, 90, (1, 200), generator=torch.Generator().manual_seed(9))
+    with DualDecoderCache(model.config, budget=256) as cache:
+        model.generate(prompt, max_new_tokens=4, do_sample=False, cache=cache)
+        capacities = {layer.capacity for layer in cache.dual_layers}
+    # the request holds 200 + 4 tokens and the last step's speculated one; window 64, sink 4
+    assert capacities == {200 + 4 + 1 - 64 - 4}
