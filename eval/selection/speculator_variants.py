@@ -1,7 +1,7 @@
 """What the speculated token should be after a miss (issue 64), measured: the speculation hit rate of variants of
 the self speculator through `generate()` with the dual cache, on natural-text prompts, greedy and sampled.
 
-    python -m dual_cache.eval.selection.speculator_variants --tokens 2048 --seeds 0-7 --budgets 256 768 \
+    python -m dual_cache.eval.selection.speculator_variants --tokens 2048 --seeds 0-3 --budgets 256 --threads 1 \
         --out results/selection/speculator-variants-smollm2-natural-2k
 
 After a hit every variant proposes the model's own chained guess (the speculated slot's argmax, computed on the true
