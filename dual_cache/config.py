@@ -253,31 +253,35 @@ class DualDecoderConfig:
         return self.retrieval_threads
 
     def validate(self) -> None:
-        """Check every field; raises `ValueError` naming the offending field and a valid range."""
+        """Check every field; raises `ValueError` naming the offending field and a valid range. An integer field
+        given as another integral type (a numpy integer) is stored as the int it holds."""
 
-        def _int(name: str, value: Any, minimum: int) -> None:
-            if isinstance(value, bool) or not isinstance(value, int):
+        def _int(name: str, value: Any, minimum: int) -> int:
+            """`value` as an int (a numpy integer, e.g. a budget computed with numpy, becomes the int it holds)."""
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise ValueError(f"`{name}` must be an int, got {value!r} ({type(value).__name__}).")
+            value = int(value)
             if value < minimum:
                 raise ValueError(f"`{name}` must be >= {minimum}, got {value}.")
+            return value
 
-        _int("budget", self.budget, 0)
-        _int("n_sink", self.n_sink, 0)
-        _int("window", self.window, 1)
-        _int("block_size", self.block_size, 1)
-        _int("layers_in_flight", self.layers_in_flight, 1)
-        _int("fetch_factor", self.fetch_factor, 1)
-        _int("resident_factor", self.resident_factor, 1)
-        _int("early_layers", self.early_layers, 0)
-        _int("early_layer_budget", self.early_layer_budget, 0)
+        self.budget = _int("budget", self.budget, 0)
+        self.n_sink = _int("n_sink", self.n_sink, 0)
+        self.window = _int("window", self.window, 1)
+        self.block_size = _int("block_size", self.block_size, 1)
+        self.layers_in_flight = _int("layers_in_flight", self.layers_in_flight, 1)
+        self.fetch_factor = _int("fetch_factor", self.fetch_factor, 1)
+        self.resident_factor = _int("resident_factor", self.resident_factor, 1)
+        self.early_layers = _int("early_layers", self.early_layers, 0)
+        self.early_layer_budget = _int("early_layer_budget", self.early_layer_budget, 0)
         if self.retrieval_threads is not None:
-            _int("retrieval_threads", self.retrieval_threads, 0)
-        _int("prefill_chunk_size", self.prefill_chunk_size, 1)
-        _int("ngram_size", self.ngram_size, 1)
-        _int("lookahead", self.lookahead, 0)
-        _int("host_chunk_tokens", self.host_chunk_tokens, 1)
+            self.retrieval_threads = _int("retrieval_threads", self.retrieval_threads, 0)
+        self.prefill_chunk_size = _int("prefill_chunk_size", self.prefill_chunk_size, 1)
+        self.ngram_size = _int("ngram_size", self.ngram_size, 1)
+        self.lookahead = _int("lookahead", self.lookahead, 0)
+        self.host_chunk_tokens = _int("host_chunk_tokens", self.host_chunk_tokens, 1)
         if self.max_host_bytes is not None:
-            _int("max_host_bytes", self.max_host_bytes, 1)
+            self.max_host_bytes = _int("max_host_bytes", self.max_host_bytes, 1)
         if self.lookahead >= self.layers_in_flight:
             raise ValueError(
                 f"`lookahead` ({self.lookahead}) must be smaller than `layers_in_flight` ({self.layers_in_flight}): "
@@ -299,7 +303,7 @@ class DualDecoderConfig:
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(f"`attention_kernel` must be one of {ATTENTION_KERNELS}, got {self.attention_kernel!r}.")
         for layer_idx, layer_budget in self.layer_budgets.items():
-            _int(f"layer_budgets[{layer_idx}]", layer_budget, 0)
+            self.layer_budgets[layer_idx] = _int(f"layer_budgets[{layer_idx}]", layer_budget, 0)
             if layer_idx < 0:
                 raise ValueError(f"`layer_budgets` keys are layer indices >= 0, got {layer_idx}.")
         if self.repair_drift is not None:

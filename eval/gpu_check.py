@@ -46,29 +46,17 @@ def small_real_shaped_config(tiny: bool):
 def record_attended(cache) -> list:
     """Record, for every decode step of every full-attention layer with a budget, what the real token attends to of
     its resident set (after the step's delta and any miss repair): `(layer, positions, valid, keys)` host copies in a
-    slot-order-free form (`resident_set.attended_entries`). Wraps each layer's `begin_attention` when the cache
-    starts a request's schedule (its layers are built by then); the tests use it too."""
+    slot-order-free form (`resident_set.attended_entries`), through `attention_observer.observe_attention`; the
+    tests use it too."""
     from ..resident_set import attended_entries
+    from .attention_observer import observe_attention
 
     recorded = []
-    original_ensure = cache._ensure_schedule
 
-    def ensure(device):
-        original_ensure(device)
-        for layer in cache.dual_layers:
-            if layer.budget == 0 or getattr(layer, "_recorded", False):
-                continue
-            begin = layer.begin_attention
+    def record(layer, query, scaling, step):
+        recorded.append((layer.layer_idx, *attended_entries(step.segments[1])))
 
-            def spy(*args, layer=layer, begin=begin, **kwargs):
-                step = begin(*args, **kwargs)
-                recorded.append((layer.layer_idx, *attended_entries(step.segments[1])))
-                return step
-
-            layer.begin_attention = spy
-            layer._recorded = True
-
-    cache._ensure_schedule = ensure
+    observe_attention(cache, record)
     return recorded
 
 

@@ -1,3 +1,6 @@
+import dataclasses
+import json
+
 import pytest
 
 from dual_cache import DualDecoderConfig
@@ -46,6 +49,20 @@ def test_layer_budget_override():
     assert config.budget_for_layer(0) == 128 and config.budget_for_layer(1) == 512
     assert config.budget_for_layer(2) == 64
     assert DualDecoderConfig(budget=2048).budget_for_layer(0) == 2048
+
+
+def test_numpy_integers_are_stored_as_ints():
+    import numpy as np
+
+    config = DualDecoderConfig(budget=np.int64(128), window=np.int32(32), layer_budgets={0: np.int64(512)},
+                               lowbit_factor=np.int64(4))
+    assert (config.budget, config.window, config.layer_budgets[0], config.lowbit_factor) == (128, 32, 512, 4)
+    assert all(type(v) is int for v in (config.budget, config.window, config.layer_budgets[0], config.lowbit_factor))
+    assert json.loads(json.dumps(dataclasses.asdict(config)))["budget"] == 128  # a config written to results rows
+    with pytest.raises(ValueError, match="`budget` must be an int"):
+        DualDecoderConfig(budget=np.float64(128))
+    with pytest.raises(ValueError, match="`window` must be >= 1"):
+        DualDecoderConfig(window=np.int64(0))
 
 
 def test_repair_drift_is_stored_as_a_float():

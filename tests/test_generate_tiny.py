@@ -8,6 +8,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 from transformers.generation.streamers import BaseStreamer
 
 from dual_cache import DualDecoderConfig, DualDecoderCache
+from dual_cache.eval.attention_observer import observe_attention
 from tests.conftest import TINY_MODELS, tiny_llama
 
 FULL = {"budget": 4096, "n_sink": 4, "window": 16}
@@ -72,10 +73,10 @@ def test_partial_budget_selections_identical_alone_and_in_padded_batch(selector)
         cache = DualDecoderCache(model.config, budget=12, n_sink=4, window=8, retrieval_threads=1, early_layers=0,
                                  **selector)
         recorded = []
-        original = cache.layers[1].begin_attention
 
-        def spy(query, scaling, rows, softcap=None, original=original, recorded=recorded):
-            step = original(query, scaling, rows, softcap)
+        def record(layer, query, scaling, step, recorded=recorded):
+            if layer.layer_idx != 1:
+                return
             segments = step.segments
             shape = (query.shape[0], segments[0].keys.shape[1])
             positions = torch.cat([s.positions.expand(*shape, s.keys.shape[2]) for s in segments], 2)
@@ -83,9 +84,8 @@ def test_partial_budget_selections_identical_alone_and_in_padded_batch(selector)
             # row 0 (the short prompt) attended positions, per KV head, in ascending order (heads may attend to
             # different numbers of resident entries)
             recorded.append([positions[0, h][valid[0, h]].sort().values for h in range(shape[1])])
-            return step
 
-        cache.layers[1].begin_attention = spy
+        observe_attention(cache, record)
         tokens[key] = model.generate(ids, attention_mask=attn, max_new_tokens=10, do_sample=False, cache=cache)[0, -10:]
         selections[key] = recorded
     assert len(selections["alone"]) == len(selections["batch"]) > 0

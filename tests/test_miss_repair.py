@@ -27,37 +27,25 @@ def always_miss(monkeypatch):
 def contains_real_top(cache) -> list[bool]:
     """Per (decode step, layer with a budget): whether the entries the step attends to include its real token's own
     exact top-budget (`Selector.select_exact` with the real query at slot 0), in every sequence and KV head: what
-    miss repair guarantees. Wraps each layer's `begin_attention` when the request's schedule starts."""
+    miss repair guarantees (`attention_observer.observe_attention`)."""
+    from dual_cache.eval.attention_observer import observe_attention
     from dual_cache.selection import Candidates
 
     seen = []
-    ensure = cache._ensure_schedule
 
-    def spying(device):
-        ensure(device)
-        for layer in cache.dual_layers:
-            if layer.budget == 0 or getattr(layer, "_checked", False):
-                continue
-            begin = layer.begin_attention
+    def check(layer, query, scaling, step):
+        committed = layer.get_seq_length() - query.shape[2]
+        end = committed - layer.config.window
+        candidates = Candidates(layer.sequences.candidates_below(end), layer.sequences.first_real)
+        top, valid = layer.selector.select_exact(query[:, :, 0].float().cpu(), candidates, scaling,
+                                                 layer.request_budget)
+        resident = step.segments[1]
+        held = resident.positions.expand_as(resident.valid).cpu()
+        held = torch.where(resident.valid.cpu(), held, -1)
+        seen.append(bool(all(set(top[b, h][valid[b, h]].tolist()) <= set(held[b, h].tolist())
+                             for b in range(top.shape[0]) for h in range(top.shape[1]))))
 
-            def spy(query, scaling, rows, softcap=None, layer=layer, begin=begin):
-                step = begin(query, scaling, rows, softcap)
-                committed = layer.get_seq_length() - query.shape[2]
-                end = committed - layer.config.window
-                candidates = Candidates(layer.sequences.candidates_below(end), layer.sequences.first_real)
-                top, valid = layer.selector.select_exact(query[:, :, 0].float().cpu(), candidates, scaling,
-                                                         layer.request_budget)
-                resident = step.segments[1]
-                held = resident.positions.expand_as(resident.valid).cpu()
-                held = torch.where(resident.valid.cpu(), held, -1)
-                seen.append(bool(all(set(top[b, h][valid[b, h]].tolist()) <= set(held[b, h].tolist())
-                                     for b in range(top.shape[0]) for h in range(top.shape[1]))))
-                return step
-
-            layer.begin_attention = spy
-            layer._checked = True
-
-    cache._ensure_schedule = spying
+    observe_attention(cache, check)
     return seen
 
 

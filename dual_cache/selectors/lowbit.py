@@ -22,6 +22,7 @@ index and the store is laid out for the engine once, not per step.
 from __future__ import annotations
 
 import math
+import numbers
 import threading
 from typing import Sequence
 
@@ -69,10 +70,11 @@ class LowBitSelector(Selector):
 
     @classmethod
     def check_config(cls, config) -> None:
-        if isinstance(config.lowbit_factor, bool) or not isinstance(config.lowbit_factor, int) \
+        if isinstance(config.lowbit_factor, bool) or not isinstance(config.lowbit_factor, numbers.Integral) \
                 or config.lowbit_factor < 1:
             raise ValueError(f"`lowbit_factor` must be an int >= 1 (positions rescored exactly per KV head, as a "
                              f"multiple of the budget), got {config.lowbit_factor!r}.")
+        config.lowbit_factor = int(config.lowbit_factor)  # a numpy integer is stored as the int it holds
         channels = config.lowbit_channels
         if isinstance(channels, bool) or not isinstance(channels, (int, float)) or not 0 < channels <= 1:
             raise ValueError(f"`lowbit_channels` must be a fraction in (0, 1] (share of the key channels the 2-bit "
