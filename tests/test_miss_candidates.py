@@ -87,3 +87,24 @@ def test_speculator_variants_count_hits_through_generate_and_restore_the_library
             hit, steps = tool.hits(model, SimpleNamespace(eos_token_id=0), prompt, variant, 16, 6, sample)
             assert steps == 5 and 0 <= hit <= steps, (variant, sample)
     assert step.make_speculator is made
+
+
+def test_resident_capacities_replay_on_a_tiny_model():
+    """`resident_candidates --capacities`: today's slots and the default design at 2x and 3x the budget, replayed on
+    a tiny model's decode steps; a larger set never copies more, and recall is a finite share."""
+    from dual_cache.eval.selection import resident_candidates as resident
+
+    model = tiny_llama(seed=5)
+    use_recorder(model)
+    policies = resident.capacity_policies([2, 3])
+    assert [p.capacity for p in policies] == [None, 2, 3]
+    tallies = {p.name: resident.Tally() for p in policies}
+    args = argparse.Namespace(steps=5, temperature=0.0, sample_seed=0, n_sink=4, window=16)
+    ids = torch.randint(3, 90, (700,), generator=torch.Generator().manual_seed(6)).tolist()
+    counts = resident.replay(model, ids, args, policies, tallies)
+    assert counts["hit"] + counts["miss"] == args.steps - 1
+    copied = {p.capacity: sum(tallies[p.name].copied) for p in policies}
+    assert copied[3] <= copied[2] <= copied[None]
+    for tally in tallies.values():
+        joined = torch.cat(tally.recall["hit"] + tally.recall["miss"])
+        assert joined.numel() > 0 and torch.isfinite(joined).all() and (joined >= 0).all()

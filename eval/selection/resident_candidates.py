@@ -3,6 +3,7 @@ across steps (issue 62), side by side with today's per-step slots, replayed on a
 
     python -m dual_cache.eval.selection.resident_candidates --prompts natural --tokens 8192 --seeds 0-1 --steps 32 \
         --out results/selection/resident-candidates-smollm2-natural-8k
+    python -m dual_cache.eval.selection.resident_candidates ... --capacities 2 3   # the default design's set size
 
 The model decodes as the dual loop does, with dense attention (`decode_steps.dual_steps`, greedy or `--temperature`).
 Per step, full-attention layer and KV head, a policy decides what the step **wants** resident — the speculated
@@ -72,6 +73,13 @@ def default_policies() -> list[Policy]:
     for cosine in (0.8, 0.9):
         out.append(Policy(f"resident 4x f1+next all lru reuse-{cosine}", 4, 1, attend="all", reuse=cosine))
     return out
+
+
+def capacity_policies(capacities: list[float]) -> list[Policy]:
+    """Today's slots (the baseline of the "vs today" column) and the default design (`f1+next`, attend all, LRU) at
+    each resident capacity in `capacities` (multiples of the layer's budget)."""
+    return [Policy("slots f2+next rerank (today)", None)] + [
+        Policy(f"resident {capacity:g}x f1+next all lru", capacity, 1, attend="all") for capacity in capacities]
 
 
 @dataclass
@@ -207,11 +215,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=DualDecoderConfig.window)
     parser.add_argument("--threads", type=threads_arg, default=None)
     parser.add_argument("--model", default=None, help="named model (gemma3-270m), folder or .gguf (default: embedded)")
+    parser.add_argument("--capacities", type=float, nargs="+", default=None,
+                        help="only the default design (f1+next, attend all, LRU) at these resident capacities "
+                             "(multiples of the budget, at least 2: what one step wants) beside today's slots "
+                             "(default: every candidate of issue 62)")
     parser.add_argument("--out", default=None, help="output path without extension (.json, .md)")
     args = parser.parse_args(argv)
+    if args.capacities is not None and min(args.capacities) < 2:
+        parser.error(f"--capacities must be at least 2 (one step wants the budget chosen plus the budget next), got "
+                     f"{min(args.capacities):g}")
     model, tokenizer = load_tool_model(args.threads, args.model)
     use_recorder(model)
-    policies = default_policies()
+    policies = default_policies() if args.capacities is None else capacity_policies(args.capacities)
     tallies = {policy.name: Tally() for policy in policies}
     steps = {"hit": 0, "miss": 0}
     for seed in parse_seeds(args.seeds):
