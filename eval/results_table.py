@@ -65,7 +65,9 @@ def collect(root: str = "results") -> list[dict]:
                                "per request", "machine": "CPU",
                     "baseline": f"dense {d:.0f}; {_mib(d_mib)}", "dual": f"{x:.0f}; {_mib(x_mib)}",
                     "source": "results/eval/gemma3-270m/results.jsonl"})
-    out += ruler_averages(root)
+    out += ruler_averages(root, default=", @256 = issue 57's default (per-step slots)")
+    for folder in RESIDENT_SET_GATES:
+        out += ruler_averages(root, folder, ", @256 = today's default (the resident set)")
     cells = _jsonl(p("gpu", "h200-32k-cells.jsonl"))
     dense = next(c for c in cells if c["method"] == "dense" and c["batch"] == 1)
     dual = next(c for c in cells if c["method"].startswith("dual") and c["batch"] == 1)
@@ -102,13 +104,16 @@ RULER_TABLE = ("eval", "ruler-table")  # the RULER table's rows (eval/quality/ru
 RULER_NAMES = {"HuggingFaceTB/SmolLM2-135M-Instruct": "SmolLM2-135M", "google/gemma-3-270m": "Gemma-3-270M"}
 
 
-def ruler_averages(root: str = "results") -> list[dict]:
-    """One row per (model, length, decoding) of the RULER table: the average over the tasks dense can do, dense and
-    the baselines against dual at each budget (difference from dense and its 95% interval at 256); a sampled table's
-    row says so, with its settings."""
+RESIDENT_SET_GATES = (("eval", "ruler-4k-issue62"), ("eval", "gemma3-16k-issue62"))  # today's default's RULER rows
+
+
+def ruler_averages(root: str = "results", table_folder: tuple[str, ...] = RULER_TABLE, default: str = "") -> list[dict]:
+    """One row per (model, length, decoding) of the RULER rows in `root/table_folder`: the average over the tasks
+    dense can do, dense and the baselines against dual at each budget (difference from dense and its 95% interval at
+    256); a sampled table's row says so, with its settings. `default` names which default `dual@B` rows ran."""
     from .quality.ruler_table import MIN_DENSE, build_tables, decoding_text
 
-    folder = os.path.join(root, *RULER_TABLE)
+    folder = os.path.join(root, *table_folder)
     rows = [r for name in sorted(os.listdir(folder)) if name.endswith(".jsonl") and not name.startswith("shared-")
             for r in _jsonl(os.path.join(folder, name))] if os.path.isdir(folder) else []
     out = []
@@ -130,11 +135,12 @@ def ruler_averages(root: str = "results") -> list[dict]:
                 duals.append(text)
         name = RULER_NAMES.get(table.model, table.model)
         n_text = str(n[0]) if len(n) == 1 else f"{n[0]}–{n[-1]}"
-        out.append({"measure": f"RULER at {table.length // 1024}K, {name}{decoding_text(table)}: average of the "
-                               f"{len(table.averaged)} of {len(table.tasks)} tasks where dense ≥ {MIN_DENSE:.0f} (n = {n_text} per task; "
-                               "[every task](results/eval/ruler-table/ruler_table.md))",
+        source = "/".join(("results",) + table_folder)
+        out.append({"measure": f"RULER at {table.length // 1024}K, {name}{decoding_text(table)}{default}: average "
+                               f"of the {len(table.averaged)} of {len(table.tasks)} tasks where dense ≥ "
+                               f"{MIN_DENSE:.0f} (n = {n_text} per task; [every task]({source}/ruler_table.md))",
                     "machine": "CPU", "baseline": "; ".join(baselines), "dual": "; ".join(duals),
-                    "source": "/".join(("results",) + RULER_TABLE) + "/"})
+                    "source": source + "/"})
     return out
 
 
