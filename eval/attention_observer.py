@@ -1,6 +1,6 @@
 """Watch what each decode step of a dual cache attends to: `observe_attention(cache, observer)` calls
-`observer(layer, query, scaling, step)` after every `DualLayer.begin_attention` of every full-attention layer with a budget,
-from the cache's first decode step on. Used by the GPU check (`gpu_check.record_attended`) and the tests that check
+`observer(layer, query, scaling, step)` after every `DualLayer.begin_attention` of every full-attention layer with
+a budget, from the cache's first decode step on. Used by the GPU check (`gpu_check.record_attended`) and the tests that check
 what a step attends to (miss repair, padded batches); the library itself never calls it.
 """
 

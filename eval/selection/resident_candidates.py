@@ -62,9 +62,12 @@ class Policy:
     reuse: float | None = None
 
 
+TODAY = Policy("slots f2+next rerank (today)", None)  # the per-step slots: the "vs today" column's baseline
+
+
 def default_policies() -> list[Policy]:
     """Today's slots and the candidates of issue 62."""
-    out = [Policy("slots f2+next rerank (today)", None), Policy("slots f2+next all", None, attend="all")]
+    out = [TODAY, Policy("slots f2+next all", None, attend="all")]
     for capacity in (3, 4, 6):
         for fetch in (1, 2):
             out.append(Policy(f"resident {capacity}x f{fetch}+next all lru", capacity, fetch, attend="all"))
@@ -78,7 +81,7 @@ def default_policies() -> list[Policy]:
 def capacity_policies(capacities: list[float]) -> list[Policy]:
     """Today's slots (the baseline of the "vs today" column) and the default design (`f1+next`, attend all, LRU) at
     each resident capacity in `capacities` (multiples of the layer's budget)."""
-    return [Policy("slots f2+next rerank (today)", None)] + [
+    return [TODAY] + [
         Policy(f"resident {capacity:g}x f1+next all lru", capacity, 1, attend="all") for capacity in capacities]
 
 
