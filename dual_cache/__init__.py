@@ -4,12 +4,12 @@ the accelerator, chosen one step early from a speculated token (DualDecoder).
 `import dual_cache` registers `cache_implementation="dual"` with transformers' `generate()`.
 """
 
-from .cache import DualDecoderCache
-from .host_memory import HostMemoryError
-from .layer import DualLayer
+from .cache.cache import DualDecoderCache
 from .config import DualDecoderConfig
-from .integration import register
-from .models import load_default_model, load_model
+from .generate.integration import register
+from .host.memory import HostMemoryError
+from .layer.layer import DualLayer
+from .model.loading import load_default_model, load_model
 
 register()
 

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import torch
 
 from .kernels import BACKENDS as ATTENTION_KERNELS
-from .selectors import SELECTORS
+from .selection.selectors import SELECTORS
 
 SPECULATORS = ("self", "ngram", "none")
 RESIDENT_ATTENTION = ("all", "rerank")
@@ -63,9 +63,9 @@ class DualDecoderConfig:
         resident_factor: entries each full-attention layer keeps on the device per KV head across steps (its
             resident set), as a multiple of the layer's budget (at least what one step wants: `fetch_factor ×
             budget`, plus `budget` with `fetch_next`): each step copies only the entries its selection wants that
-            the set lacks, into the slots of the least recently wanted or attended ones (`resident_set.py`). Device
-            bytes per request: `resident_factor × Σ_layers budget × H_kv × (2 × D × dtype bytes + 8)`; the measured
-            choice is in docs/design.md.
+            the set lacks, into the slots of the least recently wanted or attended ones (`transfer/resident_set.py`).
+            Device bytes per request: `resident_factor × Σ_layers budget × H_kv × (2 × D × dtype bytes + 8)`; the
+            measured choice is in docs/design.md.
         resident_attention: what the real token attends to of its layer's resident set: `"all"` of it (more than
             the budget, at no extra copies) or `"rerank"`: the `budget` entries of most mass of its query
             (`rerank.top_entries`, on the device).
@@ -74,8 +74,8 @@ class DualDecoderConfig:
             its query needs the entry after the one the previous token attended, which a mis-speculated token's
             query does not choose. The real query's re-rank picks among them too.
         coupled_sampling: under sampling, draw the speculated token with the randomness that will draw the next
-            real token (Gumbel-max with the same noise on both slots' processed scores; `sampling.py`), so sampled
-            decoding guesses about as well as greedy decoding; every real token stays an exact sample of
+            real token (Gumbel-max with the same noise on both slots' processed scores; `generate/sampling.py`), so
+            sampled decoding guesses about as well as greedy decoding; every real token stays an exact sample of
             `generate()`'s processed distribution. False draws the real token with `torch.multinomial` as
             transformers' `_sample` does (the default cache's tokens for a seed, at full budget) and guesses the
             argmax.
@@ -99,7 +99,7 @@ class DualDecoderConfig:
             guess hit (True), or only in steps that repair a miss, which wait for the host per layer anyway
             (False: steps where every guess hit never wait inside the layers, `repair.RepairPolicy`). None (the
             default) picks True on a CPU device (no waits to save) and False on CUDA.
-        selector: how each step's entries are chosen (`dual_cache.selectors`, one class per value):
+        selector: how each step's entries are chosen (`dual_cache.selection.selectors`, one class per value):
             `"lowbit"` (the default) a 2-bit copy of every key on the host, scanned by the native engine to
             shortlist `lowbit_factor × budget` positions that are rescored exactly (`selectors/lowbit.py`);
             `"exact"` top-k over every host key (the reference it is tested against), scored by the native
@@ -123,7 +123,7 @@ class DualDecoderConfig:
         prefill_progress: show a tqdm progress bar over the prefill, by layer of every chunk (`progress.PrefillBar`).
         host_chunk_tokens: the largest growth step of a host store (tokens): its first chunk holds the prompt,
             later chunks add half the capacity, at least 16 and at most this many tokens (appending never copies
-            what is stored; `host_growth.next_chunk_tokens`).
+            what is stored; `host.growth.next_chunk_tokens`).
         max_host_bytes: host bytes the cache may allocate (all layers); None = 90% of the memory available when
             the cache is sized. A request that cannot fit raises `HostMemoryError` before anything is allocated.
         record_timeline: keep a per-(step, layer) timeline of retrieval, copy and attention (`cache.timeline()`).

@@ -106,7 +106,7 @@ cd "$RUN_DIR" || exit 2
 echo "== preflight from $RUN_DIR: the installed dual_cache and every stage's module"
 $PY -c "import importlib, os, sys
 for name in ('dual_cache.eval.gpu_check', 'dual_cache.eval.throughput.bench', 'dual_cache.eval.throughput.bench_report',
-             'dual_cache.eval.selection.bench_retrieval', 'dual_cache.kernels.bench_kernel'):
+             'dual_cache.eval.selection.bench_retrieval', 'dual_cache.eval.throughput.bench_kernel'):
     importlib.import_module(name)
 import torch, transformers, triton, dual_cache
 where = os.path.dirname(dual_cache.__file__)
@@ -169,7 +169,7 @@ bench_stage 4 "issues 14 and 57: 32K decode, batch 1 and 8" latency-32k --contex
 stage 5 "host selection alone at 32K: lowbit and exact through the engine" \
     $PY -m dual_cache.eval.selection.bench_retrieval "${RETRIEVAL[@]}" --selectors lowbit exact \
     --out "$OUT/host-retrieval-32k"
-stage 1b "kernel vs reference, us per layer call" $PY -m dual_cache.kernels.bench_kernel --dtype bf16 "${KERNEL[@]}"
+stage 1b "kernel vs reference, us per layer call" $PY -m dual_cache.eval.throughput.bench_kernel --dtype bf16 "${KERNEL[@]}"
 bench_stage 3b "max batch at ${CAP_GIB} GiB, 128K" cap24-128k "${CAPPED[@]}" --contexts "$CTX128" \
     --prefill-chunk-size "$((2 * CHUNK))"
 echo "== done @ ${SECONDS}s"

@@ -22,9 +22,9 @@ import time
 
 import torch
 
-from ..cache import DualDecoderCache
+from ..cache.cache import DualDecoderCache
+from ..cli.help_format import DefaultsHelpFormatter
 from ..config import DualDecoderConfig
-from ..help_format import DefaultsHelpFormatter
 from .throughput.bench_models import random_model
 
 
@@ -48,7 +48,7 @@ def record_attended(cache) -> list:
     its resident set (after the step's delta and any miss repair): `(layer, positions, valid, keys)` host copies in a
     slot-order-free form (`resident_set.attended_entries`), through `attention_observer.observe_attention`; the
     tests use it too."""
-    from ..resident_set import attended_entries
+    from ..transfer.resident_set import attended_entries
     from .attention_observer import observe_attention
 
     recorded = []
@@ -138,7 +138,7 @@ def check_no_sync_in_steady_state(model, ids, options: dict, steps: int = 8, str
     stream, synchronizations by design that are no part of a step."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
-    from ..sync_points import SyncCounter
+    from ..runtime.sync_points import SyncCounter
     from .throughput.forced_miss import ForcedMissCache
 
     strict = ids.device.type == "cuda" if strict is None else strict

@@ -14,8 +14,8 @@ import json
 import os
 from statistics import mean
 
-from ..extras import require
-from ..help_format import DefaultsHelpFormatter
+from ..cli.help_format import DefaultsHelpFormatter
+from ..runtime.extras import require
 
 BEGIN, END = "<!-- report:begin -->", "<!-- report:end -->"
 MIB = 2 ** 20

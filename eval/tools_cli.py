@@ -18,7 +18,7 @@ TOOLS = {  # subcommand: (module in dual_cache.eval, help)
 
 def add_parsers(sub) -> None:
     """List the tools in `dual-decoder --help`; each parses its own arguments (`run_tool`, called by
-    `dual_cache.cli.main` for a subcommand registered with `run_argv`)."""
+    `dual_cache.cli.main.main` for a subcommand registered with `run_argv`)."""
     for name, (_, text) in TOOLS.items():
         sub.add_parser(name, help=text, add_help=False).set_defaults(run_argv=functools.partial(run_tool, name))
 

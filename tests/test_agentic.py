@@ -12,9 +12,9 @@ import torch
 from transformers import DynamicCache
 
 from dual_cache import DualDecoderCache
-from dual_cache.host_memory import live_host_bytes
 from dual_cache.eval.selection.torch_exact import query_key_logits
-from dual_cache.selectors import SELECTORS
+from dual_cache.host.memory import live_host_bytes
+from dual_cache.selection.selectors import SELECTORS
 from tests.conftest import TINY_MODELS, record_selections, six_layer_llama
 
 FULL = {"budget": 4096, "window": 8}

@@ -1,7 +1,7 @@
 """docs/architecture.md's module list names every module of the library, and only modules that exist (issue 55).
 
 The list is the "## Modules" section: one table row per module, its path in backticks relative to the repository
-root (`dual_cache/cache.py`, `dual_cache/serving/scheduler.py`, ...) and its one job. A module added, moved or
+root (`dual_cache/cache/cache.py`, `dual_cache/serving/scheduler.py`, ...) and its one job. A module added, moved or
 deleted without the list following fails here with the paths to add or remove.
 """
 

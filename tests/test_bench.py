@@ -217,7 +217,7 @@ def test_bad_grids_fail_before_any_model_loads(argv, message, monkeypatch, capsy
 
 
 def test_cli_bench_subcommand_runs_on_the_tiny_model(tmp_path, capsys):
-    from dual_cache.cli import main
+    from dual_cache.cli.main import main
 
     out = tmp_path / "run"
     rc = main(["bench", "--model", "tiny", "--device", "cpu", "--methods", "dense", "dual-none", "--contexts", "40",
@@ -324,7 +324,7 @@ def test_a_device_clock_gives_each_cell_its_idle_shares(model):
     (a CPU device), NaN."""
     from dual_cache.eval.throughput.bench_cell import run_cell
     from dual_cache.eval.throughput.bench_models import PromptSource
-    from dual_cache.streams import simulated_streams
+    from dual_cache.runtime.streams import simulated_streams
 
     prompts = PromptSource(None, model.config.vocab_size, torch.device("cpu"))
     grid = small_grid(dual_options={"retrieval_threads": 1})
@@ -368,7 +368,7 @@ def test_progress_names_each_cell_k_of_n_and_moves_inside_a_cell(model, monkeypa
     """With `progress`, one bar counts the grid's cells and names the running one ("cell k of N: method@budget
     context × batch"), and each cell draws its prefill (by layer) and decode (by token) bars; the JSON lines still
     come (through `tqdm.write`)."""
-    from dual_cache import progress
+    from dual_cache.runtime import progress
 
     bars, written = [], []
 

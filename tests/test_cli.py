@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dual_cache import cli, models
+from dual_cache.cli import main as cli
+from dual_cache.model import loading as models
 from tests.conftest import tiny_llama
 
 
@@ -25,7 +26,7 @@ def test_demo_tokens_beyond_the_model_positions_is_refused_before_the_prompt_is_
         raise AssertionError("no prompt may be built for a request past the model's positions")
 
     monkeypatch.setattr(models, "load_default_model", lambda: (model, None))
-    monkeypatch.setattr("dual_cache.needle_prompt.make_needle_prompt", build_prompt)
+    monkeypatch.setattr("dual_cache.model.needle_prompt.make_needle_prompt", build_prompt)
     assert cli.main(["demo", "--tokens", "10000000"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "exceed the model's 2048 positions" in err and "--tokens" in err
@@ -143,7 +144,7 @@ def test_cache_config_files_and_inline_json_that_is_not_an_object(tmp_path, caps
 
 
 def test_a_request_past_the_host_memory_limit_is_one_line(monkeypatch, capsys):
-    from dual_cache.host_memory import HostMemoryError
+    from dual_cache.host.memory import HostMemoryError
 
     def refuse(*args, **kwargs):
         raise HostMemoryError("the request needs 9 GiB of host memory, 1 B allowed (max_host_bytes); raise it")
@@ -160,7 +161,7 @@ def test_progress_bars_move_by_layer_in_a_one_chunk_prefill_and_by_token_in_deco
     of every chunk (a one-chunk prompt does not sit at 0%), the decode bar once per token; its hooks are gone after."""
     import torch
 
-    from dual_cache import progress
+    from dual_cache.runtime import progress
     from tests.conftest import tiny_llama
 
     model = tiny_llama()
@@ -195,7 +196,7 @@ def test_progress_bars_move_by_layer_in_a_one_chunk_prefill_and_by_token_in_deco
 def test_progress_is_shown_only_on_a_terminal_and_never_with_quiet():
     import io
 
-    from dual_cache.progress import shown
+    from dual_cache.runtime.progress import shown
 
     class Terminal(io.StringIO):
         def isatty(self):

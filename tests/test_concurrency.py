@@ -12,8 +12,8 @@ import torch
 
 from dual_cache import DualDecoderConfig
 from dual_cache.engine.codes import GROUP
-from dual_cache.host_memory import HostMemory, HostMemoryError
-from dual_cache.selectors import SELECTORS
+from dual_cache.host.memory import HostMemory, HostMemoryError
+from dual_cache.selection.selectors import SELECTORS
 from tests.test_engine import _store
 
 

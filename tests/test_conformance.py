@@ -6,7 +6,7 @@ cache; `num_return_sequences`; logits processors and stopping criteria; streamer
 used in autograd; model inputs (GPT-2's `token_type_ids`; image inputs of Gemma-3 and LLaVA vision-language models);
 and what the dual cache refuses. Every case runs on tiny random-weight models built from configs (no Hub) and is
 either equal to the default cache at full budget (fp32: the same tokens, and scores / logits / hidden states equal
-up to float rounding) or refused with a `ValueError` before any work (`dual_cache/refusals.py`, whose table
+up to float rounding) or refused with a `ValueError` before any work (`dual_cache/runtime/refusals.py`, whose table
 docs/usage.md lists: checked here too).
 """
 
@@ -26,8 +26,8 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.streamers import BaseStreamer
 
 from dual_cache import DualDecoderCache
-from dual_cache.host_memory import live_host_bytes
-from dual_cache.refusals import REFUSED
+from dual_cache.host.memory import live_host_bytes
+from dual_cache.runtime.refusals import REFUSED
 from tests.conftest import tiny_gemma3, tiny_llama, tiny_qwen2_mqa
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -286,7 +286,7 @@ def test_pipelined_path_outputs_are_ordinary_tensors():
     """At partial budget, with retrieval on worker threads and the copy stream simulated on a thread of its own (the
     CUDA ordering on CPU), the outputs are the synchronous reference path's, ordinary tensors, and no autograd graph
     is recorded on the launching thread (nothing saved for backward)."""
-    from dual_cache.streams import simulated_streams
+    from dual_cache.runtime.streams import simulated_streams
 
     m = model("llama")
     ids = prompt(17, length=64)
@@ -489,7 +489,7 @@ def _raised_names() -> set[str]:
                 argument = node.args[0]
                 if isinstance(argument, ast.Constant):
                     names.add(argument.value)
-                else:  # integration.py: refuse(GenerationMode(mode).value)
+                else:  # generate/integration.py: refuse(GenerationMode(mode).value)
                     assert "GenerationMode" in ast.unparse(argument), (path, ast.unparse(argument))
                     names |= {m.value for m in GenerationMode} - {"greedy_search", "sample"}
     return names

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from dual_cache.sampling import StepSampler, gumbel_argmax, gumbel_noise
+from dual_cache.generate.sampling import StepSampler, gumbel_argmax, gumbel_noise
 
 
 def chi_square_p(observed: torch.Tensor, expected: torch.Tensor) -> float:

@@ -28,7 +28,7 @@ import torch
 from transformers import DynamicCache
 
 from dual_cache import DualDecoderCache
-from dual_cache.model_inputs import cache_kwarg_name
+from dual_cache.model.inputs import cache_kwarg_name
 
 VOCAB = 96
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,

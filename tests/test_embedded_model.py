@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from dual_cache.chat import format_chat
-from dual_cache.needle_prompt import make_needle_prompt
+from dual_cache.model.chat import format_chat
+from dual_cache.model.needle_prompt import make_needle_prompt
 
 NEEDLE_CONFIG = {"budget": 256, "n_sink": 4, "window": 64}
 

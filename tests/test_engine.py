@@ -13,9 +13,9 @@ import torch
 from dual_cache import engine
 from dual_cache.config import DualDecoderConfig
 from dual_cache.engine import codes, native, reference
-from dual_cache.host_store import HostKVStore
-from dual_cache.selection import Candidates
-from dual_cache.selectors import SELECTORS
+from dual_cache.host.store import HostKVStore
+from dual_cache.selection.candidates import Candidates
+from dual_cache.selection.selectors import SELECTORS
 from tests.conftest import tiny_llama
 
 VARIANTS = native.supported_variants()  # what this CPU runs, best last

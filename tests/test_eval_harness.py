@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from dual_cache.eval.card import kvpress_runner
+from dual_cache.eval.card.kvpress_merge import export_prompts, merge_kvpress
 from dual_cache.eval.quality import fidelity, harness
 from dual_cache.eval.quality.generation import generate
-from dual_cache.eval.card.kvpress_merge import export_prompts, merge_kvpress
 from dual_cache.eval.quality.methods import make_method, parse_method, standard_methods
 from dual_cache.eval.quality.report import write_report
 from tests.test_eval_support import char_tokenizer, tiny_model
@@ -131,7 +131,7 @@ def test_kvpress_export_and_merge_on_a_fake_runner_file(items, tmp_path):
 
 
 def test_cli_rejects_bad_input_before_loading(capsys):
-    from dual_cache.cli import main
+    from dual_cache.cli.main import main
 
     assert main(["eval", "run", "--samples", "0"]) == 2
     assert "--samples" in capsys.readouterr().err

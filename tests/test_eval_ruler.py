@@ -298,7 +298,7 @@ def test_embedded_tokenizer_lengths():
     from transformers import AutoTokenizer
 
     from dual_cache.eval.quality.chat_format import prompt_format
-    from dual_cache.models import DEFAULT_GGUF_FILE, default_model_folder
+    from dual_cache.model.loading import DEFAULT_GGUF_FILE, default_model_folder
 
     bpe = AutoTokenizer.from_pretrained(default_model_folder(), gguf_file=DEFAULT_GGUF_FILE)
     fmt = prompt_format(bpe)

@@ -109,7 +109,7 @@ def test_shared_prefill_samples_the_tokens_of_stand_alone_runs(setup, tmp_path):
 
 
 def test_bad_sampling_options_are_refused_before_loading(capsys):
-    from dual_cache.cli import main
+    from dual_cache.cli.main import main
 
     for argv, message in [(["--top-p", "0.9"], "add --temperature"), (["--sampling-seeds", "2"], "add --temperature"),
                           (["--temperature", "0"], "temperature must be > 0"),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dual_cache.eval.throughput.forced_miss import ForcedMissCache
-from dual_cache.repair import StepRows
+from dual_cache.layer.repair import StepRows
 from tests.conftest import tiny_llama
 
 OPTIONS = {"budget": 12, "n_sink": 4, "window": 8, "early_layers": 0, "retrieval_threads": 0}

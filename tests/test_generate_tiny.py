@@ -261,7 +261,7 @@ def test_host_store_is_sized_to_the_request(selector):
 def _attended(monkeypatch, model, ids, config) -> list[tuple[int, int, list[int]]]:
     """`(committed, query position, attended positions)` of sequence 0, KV head 0, for every decode query of every
     full-attention layer, read from the segments handed to the decode attention."""
-    import dual_cache.attention as attention
+    import dual_cache.layer.attention as attention
 
     seen = []
     original = attention.sparse_decode_attention

@@ -12,7 +12,7 @@ import torch
 from dual_cache import DualDecoderCache
 from dual_cache.eval import gpu_check
 from dual_cache.eval.throughput.bench_models import random_model
-from dual_cache.streams import simulated_streams
+from dual_cache.runtime.streams import simulated_streams
 
 
 def test_gpu_check_cli_on_cpu_writes_its_json(tmp_path, capsys):
@@ -40,7 +40,7 @@ class _SyncDebugModeOnCpu:
         self.counter = None
 
     def set(self, mode):
-        from dual_cache.sync_points import SyncCounter
+        from dual_cache.runtime.sync_points import SyncCounter
 
         if mode == "error" and self.counter is None:
             self.counter = SyncCounter()

@@ -18,9 +18,9 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 import dual_cache
+from dual_cache.cli.hub import custom_generate_dir, export_custom_generate
+from dual_cache.cli.main import main
 from dual_cache.eval.card import hub_card
-from dual_cache.cli import main
-from dual_cache.hub_cli import custom_generate_dir, export_custom_generate
 from tests.conftest import tiny_llama
 
 FIXTURE = Path(__file__).parent / "fixtures" / "eval_results.jsonl"

@@ -127,7 +127,8 @@ def _describe(graph, loop, modules) -> str:
 
 def test_module_names_are_read_from_both_source_folders():
     modules = module_files()
-    assert {"dual_cache", "dual_cache.cache", "dual_cache.eval", "dual_cache.eval.quality.harness"} <= set(modules)
+    assert {"dual_cache", "dual_cache.cache", "dual_cache.cache.cache", "dual_cache.eval",
+            "dual_cache.eval.quality.harness"} <= set(modules)
 
 
 def test_resolution_of_relative_and_from_imports(tmp_path):
@@ -187,7 +188,7 @@ def test_installed_eval_commands_are_pyprojects():
     import tomllib
     from importlib.metadata import entry_points
 
-    from dual_cache.cli import EVAL_COMMANDS
+    from dual_cache.cli.main import EVAL_COMMANDS
 
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"][EVAL_COMMANDS]
     installed = {entry.name: entry.value for entry in entry_points(group=EVAL_COMMANDS)}
@@ -199,4 +200,4 @@ def test_installed_eval_commands_are_pyprojects():
         module = value.partition(":")[0]
         assert _in_eval(module) and module in modules, (
             f"entry point {name} = {value!r}: name a module of dual_cache.eval (eval/); the library's own commands are "
-            "added by dual_cache/cli.py's build_parser")
+            "added by dual_cache/cli/main.py's build_parser")

@@ -1,6 +1,6 @@
-"""The core install and the extras (pyproject.toml, dual_cache/extras.py): `import dual_cache` and a dual generate()
-pull in no extra's package; with the extras absent every command's --help still works and a command that needs one
-fails with one line naming it; the wheel installs into a fresh venv holding only the core (slow)."""
+"""The core install and the extras (pyproject.toml, dual_cache/runtime/extras.py): `import dual_cache` and a dual
+generate() pull in no extra's package; with the extras absent every command's --help still works and a command that
+needs one fails with one line naming it; the wheel installs into a fresh venv holding only the core (slow)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 import dual_cache  # noqa: E402
-from dual_cache.extras import EXTRAS  # noqa: E402
+from dual_cache.runtime.extras import EXTRAS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = ROOT / "tests" / "fixtures" / "core_check.py"

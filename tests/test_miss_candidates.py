@@ -75,8 +75,8 @@ def test_speculator_variants_count_hits_through_generate_and_restore_the_library
     speculated step per decode step after the first; the library's speculator factory is back afterwards."""
     from types import SimpleNamespace
 
-    from dual_cache import step
     from dual_cache.eval.selection import speculator_variants as tool
+    from dual_cache.generate import step
 
     model = tiny_llama(seed=5)
     made = step.make_speculator

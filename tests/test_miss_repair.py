@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from dual_cache import DualDecoderCache, DualDecoderConfig
-from dual_cache.transfer_schedule import TransferSchedule
-from dual_cache.selection import Delta
+from dual_cache.transfer.delta import Delta
+from dual_cache.transfer.schedule import TransferSchedule
 from tests.conftest import record_selections, six_layer_llama
 
 NEVER = 95  # a token id the tests forbid the model to emit; the speculator always proposes it
@@ -18,7 +18,7 @@ SYNC = {"miss_repair": True, "fetch_factor": 1, "fetch_next": False}
 @pytest.fixture
 def always_miss(monkeypatch):
     """Every speculated token is NEVER, which generation forbids: every step is a miss."""
-    from dual_cache import speculators
+    from dual_cache.generate import speculators
 
     monkeypatch.setattr(speculators.SelfSpeculator, "propose",
                         lambda self, sequences, chained, hit: [NEVER] * len(sequences))
@@ -29,7 +29,7 @@ def contains_real_top(cache) -> list[bool]:
     exact top-budget (`Selector.select_exact` with the real query at slot 0), in every sequence and KV head: what
     miss repair guarantees (`attention_observer.observe_attention`)."""
     from dual_cache.eval.attention_observer import observe_attention
-    from dual_cache.selection import Candidates
+    from dual_cache.selection.candidates import Candidates
 
     seen = []
 
@@ -128,7 +128,7 @@ def test_schedule_repair_copies_the_repair_delta_after_the_prefetched_one():
 # --- drift repair: hit steps whose real query drifted from the speculated query that chose the entries ----------
 
 def test_query_drift_matches_a_per_group_loop():
-    from dual_cache.repair import query_drift
+    from dual_cache.layer.repair import query_drift
 
     generator = torch.Generator().manual_seed(21)
     batch, kv_heads, group, dim = 3, 2, 4, 8
@@ -187,7 +187,7 @@ def test_drift_repair_needs_miss_repair(always_miss):
 
 
 def test_cli_repair_drift_option(tmp_path, capsys):
-    from dual_cache.cli import _drift_threshold, main
+    from dual_cache.cli.main import _drift_threshold, main
 
     assert _drift_threshold("off") is None and _drift_threshold("0.25") == 0.25
     doc = tmp_path / "doc.txt"
@@ -203,7 +203,7 @@ def test_cli_repair_drift_option(tmp_path, capsys):
 def test_repairing_some_sequences_scores_only_them_with_the_same_result(monkeypatch, selector):
     """A repair of a strict subset of the batch scores only those sequences, in one engine call; the selections they
     attend to (and the tokens) equal those of scoring the whole batch and copying the same rows."""
-    from dual_cache.layer import DualLayer
+    from dual_cache.layer.layer import DualLayer
 
     model = six_layer_llama(seed=17)
     generator = torch.Generator().manual_seed(18)

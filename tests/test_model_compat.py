@@ -11,7 +11,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from dual_cache import DualDecoderCache, DualDecoderConfig
-from dual_cache.host_memory import live_host_bytes
+from dual_cache.host.memory import live_host_bytes
 from tests.conftest import tiny_llama
 
 FULL = {"budget": 4096, "n_sink": 4, "window": 16}
@@ -99,7 +99,7 @@ def test_softcap_reaches_the_decode_attention():
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     seen = []
-    import dual_cache.attention as attention
+    import dual_cache.layer.attention as attention
 
     original = attention.sparse_decode_attention
 

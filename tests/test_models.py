@@ -4,7 +4,7 @@ import builtins
 
 import pytest
 
-from dual_cache import models
+from dual_cache.model import loading as models
 
 
 def test_named_models_and_display_names():

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from dual_cache import models
-from dual_cache.cli import main
+from dual_cache.cli.main import main
 from dual_cache.eval.outputs import OUTPUT_DIR, default_out
+from dual_cache.model import loading as models
 
 ROOT = Path(__file__).resolve().parents[1]
 GIT = shutil.which("git")

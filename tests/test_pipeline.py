@@ -14,8 +14,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from dual_cache import DualDecoderCache, HostMemoryError
-from dual_cache.host_memory import live_host_bytes
-from dual_cache.selectors.base import Selector
+from dual_cache.host.memory import live_host_bytes
+from dual_cache.selection.selectors.base import Selector
 from tests.conftest import record_selections, six_layer_llama
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from dual_cache.host_pages import copy_block
+from dual_cache.host.pages import copy_block
 from tests.conftest import six_layer_llama
 
 OPTIONS = {"budget": 12, "n_sink": 4, "window": 8, "early_layers": 0, "prefill_chunk_size": 64}

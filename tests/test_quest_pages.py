@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from dual_cache import quest_pages
 from dual_cache.eval.selection import torch_exact
-from dual_cache.host_memory import live_host_bytes
-from dual_cache.host_store import HostKVStore
+from dual_cache.host.memory import live_host_bytes
+from dual_cache.host.store import HostKVStore
+from dual_cache.selection import quest_pages
 
 
 def _inputs(seed, batch=2, q_heads=6, kv_heads=2, n=97, dim=16):
@@ -153,7 +153,7 @@ def test_quest_pages_match_brute_force_bound(seed):
 
 
 def test_host_store_reserves_the_prompt_then_grows_geometrically():
-    from dual_cache.host_growth import planned_capacity
+    from dual_cache.host.growth import planned_capacity
 
     before = live_host_bytes()
     store = HostKVStore(1, 2, 4, torch.float32, chunk_tokens=1000)
@@ -173,7 +173,7 @@ def test_host_store_reserves_the_prompt_then_grows_geometrically():
 
 def test_a_shared_prefix_store_grows_by_what_each_sequence_adds():
     """Growth after `share` follows each sequence's own positions, not the shared prefix (which is kept once)."""
-    from dual_cache.host_growth import planned_capacity
+    from dual_cache.host.growth import planned_capacity
 
     store = HostKVStore(1, 2, 4, torch.float32, chunk_tokens=4096)
     store.reserve(8000)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dual_cache import DualDecoderConfig
-from dual_cache.cli import main
+from dual_cache.cli.main import main
 from dual_cache.eval import results_table
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,9 +8,9 @@ import torch
 
 from conftest import tiny_gemma3, tiny_llama
 from dual_cache import DualDecoderCache
-from dual_cache.host_memory import live_host_bytes
-from dual_cache.layer import DualLayer
-from dual_cache.regroup import regroup
+from dual_cache.cache.regroup import regroup
+from dual_cache.host.memory import live_host_bytes
+from dual_cache.layer.layer import DualLayer
 
 PARTIAL = {"budget": 16, "n_sink": 4, "window": 8, "early_layers": 0, "retrieval_threads": 0, "selector": "lowbit",
            "lowbit_factor": 2}
@@ -133,7 +133,7 @@ def test_bad_regroups_are_refused_before_any_work():
 
 
 def test_copy_positions_equals_concatenating_the_chunks():
-    from dual_cache.regroup import _copy_positions
+    from dual_cache.cache.regroup import _copy_positions
 
     gen = torch.Generator().manual_seed(20261204)
     for _ in range(20):

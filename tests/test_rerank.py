@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dual_cache.rerank import rerank_valid
-from dual_cache.selectors.base import next_positions
+from dual_cache.selection.rerank import rerank_valid
+from dual_cache.selection.selectors.base import next_positions
 
 
 def rerank_loop(query, keys, valid, budget, scaling, softcap=None):

@@ -1,4 +1,4 @@
-"""The resident set (`dual_cache/resident_set.py`): the native plan against its pure-torch reference on random
+"""The resident set (`dual_cache/transfer/resident_set.py`): the native plan against its pure-torch reference on random
 steps, the delta path against a full copy of what is wanted, and a refused plan that changes nothing."""
 
 import copy
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dual_cache.engine import native as engine_native
-from dual_cache.resident_set import ResidentSet, attended_entries
+from dual_cache.transfer.resident_set import ResidentSet, attended_entries
 
 needs_engine = pytest.mark.skipif(engine_native.library() is None, reason="no C++ compiler for the native engine")
 

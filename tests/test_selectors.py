@@ -1,4 +1,4 @@
-"""Selectors as classes (`dual_cache.selectors`), and what a host selector must do whatever its index.
+"""Selectors as classes (`dual_cache.selection.selectors`), and what a host selector must do whatever its index.
 
 References: the whole batch for a subset of sequences and the same tokens without left padding (exact and the 2-bit
 index, `selector="lowbit"`); the host bytes the cache checks before allocating (every selector); each sequence's own
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from dual_cache import DualDecoderCache, DualDecoderConfig
-from dual_cache.host_memory import live_host_bytes
-from dual_cache.host_store import HostKVStore
-from dual_cache.selection import Candidates
-from dual_cache.selectors import SELECTORS, Selector
+from dual_cache.host.memory import live_host_bytes
+from dual_cache.host.store import HostKVStore
+from dual_cache.selection.candidates import Candidates
+from dual_cache.selection.selectors import SELECTORS, Selector
 from tests.conftest import record_selections, six_layer_llama
 
 

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def tiny_folder(tmp_path_factory) -> str:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from dual_cache.models import DEFAULT_GGUF_FILE, default_model_folder
+    from dual_cache.model.loading import DEFAULT_GGUF_FILE, default_model_folder
 
     folder = tmp_path_factory.mktemp("tiny-served")
     tokenizer = AutoTokenizer.from_pretrained(default_model_folder(), gguf_file=DEFAULT_GGUF_FILE)

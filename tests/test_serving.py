@@ -12,7 +12,7 @@ import torch
 
 from conftest import tiny_gemma3, tiny_llama
 from dual_cache import DualDecoderCache
-from dual_cache.host_memory import live_host_bytes
+from dual_cache.host.memory import live_host_bytes
 from dual_cache.serving import GenerationOptions, Scheduler
 from dual_cache.serving.prefix import block_hashes
 

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from dual_cache.cli import main
-from dual_cache.eval.throughput.launch_thread import StepProbe
+from dual_cache.cli.main import main
 from dual_cache.eval.throughput.bench_serve import workload
+from dual_cache.eval.throughput.launch_thread import StepProbe
 
 
 def test_bench_serve_small_run_writes_rows(tmp_path, capsys):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dual_cache import DualDecoderCache
-from dual_cache.streams import SimulatedStreams, simulated_streams
+from dual_cache.runtime.streams import SimulatedStreams, simulated_streams
 from tests.conftest import record_selections, six_layer_llama
 
 PARTIAL = {"budget": 12, "n_sink": 4, "window": 8, "early_layers": 1, "early_layer_budget": 20}
@@ -145,7 +145,7 @@ def test_a_slow_host_selection_shows_as_device_idle_time(monkeypatch, threads):
     synchronous path, the job itself). With copies that land at once and a host selection slowed to 40 ms a layer,
     nearly all of the step is the second kind: the measure sees at least half the step idle, the copy waits alone
     (the measure before issue 54) close to none."""
-    from dual_cache.transfer_schedule import TransferSchedule
+    from dual_cache.transfer.schedule import TransferSchedule
 
     submit = TransferSchedule.submit
 
@@ -179,8 +179,8 @@ def test_a_slow_host_selection_shows_as_device_idle_time(monkeypatch, threads):
 def test_reading_the_device_clock_never_replaces_the_error_that_ended_a_request():
     """A request that fails mid-step leaves timing events the compute stream never reached; CUDA's `elapsed_time`
     raises on them ("Both events must be completed"). Closing reads only the pairs that completed."""
-    from dual_cache.cache_stats import overlap_ratio
-    from dual_cache.transfer_schedule import TransferSchedule
+    from dual_cache.cache.stats import overlap_ratio
+    from dual_cache.transfer.schedule import TransferSchedule
 
     class Event:  # a CUDA timing event's contract: elapsed_time raises unless both ends completed
         def __init__(self, done: bool, at: float):

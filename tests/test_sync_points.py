@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dual_cache.eval.throughput.forced_miss import ForcedMissCache
-from dual_cache.sync_points import SyncCounter
+from dual_cache.runtime.sync_points import SyncCounter
 
 OPTIONS = {"budget": 16, "window": 8, "early_layers": 0, "retrieval_threads": 1}
 

@@ -27,14 +27,14 @@ import torch.distributed as dist
 import dual_cache
 from conftest import tiny_llama
 from dual_cache import DualDecoderCache
+from dual_cache.cli.serve import serve_arguments
 from dual_cache.config import DualDecoderConfig, usable_cores
-from dual_cache.host_memory import HostMemory
+from dual_cache.host.memory import HostMemory
+from dual_cache.model.tensor_parallel import TensorShard, load_kwargs, shard_of
 from dual_cache.serving import GenerationOptions, Scheduler
-from dual_cache.serving.cli import serve_arguments
 from dual_cache.serving.distributed import TPGroup, digest
 from dual_cache.serving.launch import rank_environment, torchrun_command
 from dual_cache.serving.tp_scheduler import TPScheduler
-from dual_cache.tensor_parallel import TensorShard, load_kwargs, shard_of
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -85,7 +85,7 @@ def test_the_cache_sizes_itself_from_the_shard_it_is_given(monkeypatch):
     stats = cache.stats()
     assert (stats["tp_rank"], stats["tp_size"], stats["kv_heads"]) == (0, 2, 1)
     # a rank's share of the host: the default allowance is divided among the ranks of one host
-    monkeypatch.setattr("dual_cache.host_memory.available_host_bytes", lambda: 10_000_000)
+    monkeypatch.setattr("dual_cache.host.memory.available_host_bytes", lambda: 10_000_000)
     memory = HostMemory()
     memory.ranks_per_host = 2
     assert memory.limit == 4_500_000
@@ -116,7 +116,7 @@ def test_a_cache_holding_one_shard_refuses_another():
 
 
 def test_cli_checks_and_the_launch_command(monkeypatch):
-    from dual_cache.cli import main
+    from dual_cache.cli.main import main
 
     assert main(["serve", "--tp", "0"]) == 2
     assert main(["serve", "--tp-timeout", "0"]) == 2
@@ -309,7 +309,7 @@ def served_model(tmp_path_factory):
     """A tiny random Llama (2 KV heads) with the embedded model's tokenizer, saved for `--model`."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from dual_cache.models import DEFAULT_GGUF_FILE, default_model_folder
+    from dual_cache.model.loading import DEFAULT_GGUF_FILE, default_model_folder
 
     folder = tmp_path_factory.mktemp("served")
     tokenizer = AutoTokenizer.from_pretrained(default_model_folder(), gguf_file=DEFAULT_GGUF_FILE)
@@ -428,7 +428,7 @@ def _answers(port: int) -> list:
 def _single_process_answers(model_dir: str) -> list:
     import uvicorn
 
-    from dual_cache.models import load_model
+    from dual_cache.model.loading import load_model
     from dual_cache.serving.server import create_app
 
     model, tokenizer = load_model(model_dir)

@@ -20,7 +20,7 @@ def main(spec_path: str, out: str) -> int:
     from transformers import AutoModelForCausalLM
 
     import dual_cache
-    from dual_cache.tensor_parallel import load_kwargs
+    from dual_cache.model.tensor_parallel import load_kwargs
 
     with open(spec_path, encoding="utf-8") as handle:
         spec = json.load(handle)

@@ -27,7 +27,7 @@ from transformers.generation.utils import GenerationMixin
 
 try:  # kept in a try block so that transformers' import scan defers to requirements.txt for the message
     import dual_cache
-    from dual_cache.integration import CACHE_IMPLEMENTATION
+    from dual_cache.generate.integration import CACHE_IMPLEMENTATION
 except ImportError as error:  # pragma: no cover - exercised only where dual-cache is missing
     raise ImportError(
         "This repository's custom_generate recipe needs the `dual-cache` package: `pip install dual-cache` "

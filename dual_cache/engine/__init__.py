@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from ..sync_points import uncounted
+from ..runtime.sync_points import uncounted
 from . import native, profiling, reference
 from .codes import GROUP, KEY_TYPES, padded_dim
 

@@ -33,7 +33,7 @@ import warnings
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("selection_engine.cpp")
-# every source built into the library: the engine, and the resident set's plan (`resident_set.py`)
+# every source built into the library: the engine, and the resident set's plan (`transfer/resident_set.py`)
 SOURCES = (SOURCE, Path(__file__).with_name("resident_plan.cpp"))
 VARIANTS = {  # name: (compiler flags, feature bit the CPU must report)
     "scalar": ([], 0),

@@ -1,4 +1,4 @@
-// The resident set's plan (`dual_cache/resident_set.py`, `ResidentSet.plan`; its pure-torch reference is
+// The resident set's plan (`dual_cache/transfer/resident_set.py`, `ResidentSet.plan`; its pure-torch reference is
 // `ResidentSet._plan_reference`, which defines every number here): per (sequence, KV head) row of the set, which of
 // the positions a decode step wants are not resident yet and which slots they go to. Built into the same library as
 // the selection engine (`native.py`); plain loops over one row at a time, a few microseconds per row.

@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 
 from ..config import DualDecoderConfig
-from ..host_memory import format_bytes
+from ..host.memory import format_bytes
 from .prefix import PrefixCache
 from .requests import GenerationOptions, RequestHandle
 from .rows import Row

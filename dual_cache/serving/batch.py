@@ -4,7 +4,7 @@ then decode together as the rows of one `DualDecoderCache` that gains and loses 
 Each decode step is the dual-token step of `decoding.dual_sample` (docs/design.md §2) over rows with their own
 positions, speculation state, sampling options and stops: feed `[x_t, x̂_{t+1}]` per row, keep the real token's K/V
 (`crop(-1)`), re-select the entries of rows whose speculated token missed (or that just joined, as `generate()`
-re-selects on its first step). Rows join and leave through `regroup` (`dual_cache/regroup.py`): the batch's request
+re-selects on its first step). Rows join and leave through `regroup` (`dual_cache/cache/regroup.py`): the batch's request
 ends, a new cache is built from the rows that stay and the requests that finished their prefill, and the next step
 continues each row exactly where it was (its queries select its next entries, its sequence is unchanged). A
 regroup copies the rows' host K/V (its cost grows with the batch's stored tokens; docs/serving.md).
@@ -16,13 +16,13 @@ from typing import Callable
 
 import torch
 
-from ..cache import DualDecoderCache
-from ..checks import check_model_serves_dual
+from ..cache.cache import DualDecoderCache
+from ..cache.checks import check_model_serves_dual
+from ..cache.regroup import regroup
 from ..config import DualDecoderConfig
-from ..regroup import regroup
-from ..model_inputs import cache_kwarg_name
-from ..step import DualStep
-from ..streams import to_device, to_host
+from ..generate.step import DualStep
+from ..model.inputs import cache_kwarg_name
+from ..runtime.streams import to_device, to_host
 from .rows import Row
 
 

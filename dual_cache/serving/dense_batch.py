@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 
-from ..model_inputs import cache_kwarg_name
+from ..model.inputs import cache_kwarg_name
 from .rows import Row
 
 

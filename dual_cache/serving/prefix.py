@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import DualDecoderCache
-from ..regroup import regroup
+from ..cache.cache import DualDecoderCache
+from ..cache.regroup import regroup
 
 
 def block_hashes(ids: torch.Tensor, block: int) -> list[int]:

@@ -9,8 +9,8 @@ from typing import Callable
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-from ..cache import DualDecoderCache
-from ..sampling import StepSampler
+from ..cache.cache import DualDecoderCache
+from ..generate.sampling import StepSampler
 from .logprobs import token_logprobs
 from .requests import RequestHandle
 from .sessions import Session

@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import torch
 from transformers.utils import logging
 
-from ..cache import DualDecoderCache
+from ..cache.cache import DualDecoderCache
 from ..config import DualDecoderConfig
 from . import turn_plan
 from .admission import Admission, check_request

@@ -24,7 +24,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ..extras import require
+from ..runtime.extras import require
 
 require("serve", "dual_cache.serving.server (`dual-decoder serve`)")
 

@@ -13,7 +13,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ..cache import DualDecoderCache
+from ..cache.cache import DualDecoderCache
 
 
 @dataclass

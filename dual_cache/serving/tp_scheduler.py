@@ -30,8 +30,8 @@ from typing import Callable
 from transformers.utils import logging
 
 from ..config import DualDecoderConfig
-from ..host_memory import available_host_bytes, format_bytes
-from ..tensor_parallel import ranks_per_host, shard_of, tp_size_of
+from ..host.memory import available_host_bytes, format_bytes
+from ..model.tensor_parallel import ranks_per_host, shard_of, tp_size_of
 from .distributed import GroupLost, TPGroup, digest
 from .requests import FINISH_REASONS, RequestHandle
 from .rows import GREEDY_BELOW

@@ -66,7 +66,7 @@ def serve_rank(args) -> int:
         ValueError: `--tp` differs from torchrun's world size, or the model cannot be split (uneven heads); every
             rank raises the same before serving.
     """
-    from ..models import load_model, model_display_name
+    from ..model.loading import load_model, model_display_name
     from .distributed import TPGroup
     from .server import run_http
     from .tp_scheduler import TPScheduler

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from ...help_format import DefaultsHelpFormatter
+from ...cli.help_format import DefaultsHelpFormatter
 
 SUITES = ("ruler", "longbench", "fidelity")
 
@@ -43,7 +43,7 @@ def add_parser(subparsers) -> None:
         p.add_argument("--ruler-tasks", nargs="+", default=["niah_single_2"], help="RULER task names (synthetic.yaml)")
         p.add_argument("--lengths", type=int, nargs="+", default=[4096], help="RULER target lengths (tokens)")
         p.add_argument("--ruler-template", default="ruler", choices=["ruler", "simple"],
-                       help="NIAH wording: RULER's, or 'simple' (dual_cache/needle_prompt.py's, not RULER's; the 135M model answers it)")
+                       help="NIAH wording: RULER's, or 'simple' (dual_cache/model/needle_prompt.py's, not RULER's; the 135M model answers it)")
         p.add_argument("--ruler-qa-dir", default=None,
                        help="folder with squad.json (SQuAD v2.0 dev) / hotpotqa.json (HotpotQA dev distractor) for qa_1 / qa_2")
         p.add_argument("--chat-template", default="auto", choices=["auto", "none"],
@@ -190,7 +190,7 @@ def _methods(args):
 def _load(args):
     import torch
 
-    from ...models import load_model, model_display_name
+    from ...model.loading import load_model, model_display_name
 
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)

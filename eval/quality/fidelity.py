@@ -1,8 +1,8 @@
 """Fidelity to dense attention on long natural text: teacher-forced KL and top-1 agreement, identical greedy length.
 
-Text: `dual_cache.needle_prompt.reference_document()` (the Python Language Reference shipped with CPython), tokenized as plain
-text (no chat template) from a seeded word offset. A sample of length `L` is a prompt of `L - T - G` tokens, the
-next `T` document tokens (the teacher-forced continuation) and `G` greedy steps.
+Text: `dual_cache.model.needle_prompt.reference_document()` (the Python Language Reference shipped with CPython),
+tokenized as plain text (no chat template) from a seeded word offset. A sample of length `L` is a prompt of `L - T - G`
+tokens, the next `T` document tokens (the teacher-forced continuation) and `G` greedy steps.
 
 Teacher forcing goes through `generate()` itself, so the dual cache runs its real decode loop (two-token steps,
 speculation, retrieval one step ahead): a `ForcedTokens` logits processor records the scores it receives and
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from ...model.needle_prompt import reference_document
 from .generation import generate
 from .methods import Method
-from ...needle_prompt import reference_document
 
 
 class ForcedTokens(LogitsProcessor):

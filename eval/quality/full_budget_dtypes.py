@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from ...help_format import DefaultsHelpFormatter
+from ...cli.help_format import DefaultsHelpFormatter
 
 PAIRS = ("sdpa-eager", "dual-sdpa", "dual-eager")
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dual_cache.model_inputs import cache_kwarg_name
+from dual_cache.model.inputs import cache_kwarg_name
 
 from .methods import Method
 from .sampling import Sampling

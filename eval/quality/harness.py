@@ -38,7 +38,7 @@ Resume key: (dataset, task, method, budget, length, sample, model, cache_config)
 
 from __future__ import annotations
 
-from ...extras import require
+from ...runtime.extras import require
 
 require("eval", "`dual-decoder eval`")
 

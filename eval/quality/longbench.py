@@ -16,7 +16,7 @@ newline and generates at least one token, as `pred.py` does. Metrics: `metrics/l
 
 from __future__ import annotations
 
-from ...extras import require
+from ...runtime.extras import require
 
 require("eval", "LongBench (dual_cache.eval.quality.longbench)")
 

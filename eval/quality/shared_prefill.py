@@ -32,11 +32,11 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from dual_cache.cache import DualDecoderCache
-from dual_cache.checks import check_model_serves_dual
+from dual_cache.cache.cache import DualDecoderCache
+from dual_cache.cache.checks import check_model_serves_dual
 from dual_cache.config import DualDecoderConfig
-from dual_cache.model_inputs import cache_kwarg_name
-from dual_cache.layer import DualLayer
+from dual_cache.layer.layer import DualLayer
+from dual_cache.model.inputs import cache_kwarg_name
 
 from .methods import Method
 

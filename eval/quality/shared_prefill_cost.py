@@ -20,7 +20,7 @@ import sys
 import time
 from statistics import mean
 
-from ...help_format import DefaultsHelpFormatter
+from ...cli.help_format import DefaultsHelpFormatter
 
 
 def measure(model, tokenizer, items, methods, log=print) -> list[dict]:
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from ...models import load_model
+    from ...model.loading import load_model
     from . import harness
     from .chat_format import prompt_format
     from .methods import parse_method

@@ -23,7 +23,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from ...help_format import DefaultsHelpFormatter
+from ...cli.help_format import DefaultsHelpFormatter
 from .ruler_table import method_label
 
 

@@ -6,10 +6,10 @@
 On an H200 the dual cache decoded a Llama-3.1-8B-shaped model at 32K tokens at 2 tokens/s because the host scored
 every key of every layer each step (results/gpu/h200-32k.md). This measures that host work alone on this machine's
 CPU: per cell, `--distinct-layers` layers' host stores of `context` random keys (default shape: Llama-3.1-8B, 32
-query / 8 KV heads of 128, bf16), each with its own selector (`dual_cache.selectors`). A timed step appends one token
-to every store, then runs every layer's retrieval job — the selector's choice for a random query among the positions
-past the sink and before the local window, then the gather of the chosen K/V into a staging buffer — on a pool of
-`--pools` threads (1: one thread at torch's intra-op thread count; N > 1: N threads of one intra-op thread each, as
+query / 8 KV heads of 128, bf16), each with its own selector (`dual_cache.selection.selectors`). A timed step appends
+one token to every store, then runs every layer's retrieval job — the selector's choice for a random query among the
+positions past the sink and before the local window, then the gather of the chosen K/V into a staging buffer — on a
+pool of `--pools` threads (1: one thread at torch's intra-op thread count; N > 1: N threads of one intra-op thread each, as
 `TransferSchedule` runs them); `--threads` lists the engine threads per call at pool 1 (a cell each: the thread
 scaling). With `--shared-prefix`, the batch continues one stored sequence of `context` tokens
 (`HostKVStore.share`): exact selection scores every query against the shared keys in one product; lowbit scans
@@ -43,16 +43,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from ...cli.help_format import DefaultsHelpFormatter
 from ...config import DualDecoderConfig
 from ...engine import native, profiling
-from ...help_format import DefaultsHelpFormatter
-from ...host_pages import advise_huge_pages
-from ...host_store import HostKVStore
-from .torch_exact import select as torch_select
-from ...selection import Candidates
-from ...selectors import SELECTORS
+from ...host.pages import advise_huge_pages
+from ...host.store import HostKVStore
+from ...selection.candidates import Candidates
+from ...selection.selectors import SELECTORS
 from ..outputs import default_out, write_rows_and_table
 from ..spread import load_average, load_warning
+from .torch_exact import select as torch_select
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PREFETCHED = [name for name, cls in SELECTORS.items() if cls.prefetched]

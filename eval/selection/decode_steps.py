@@ -17,9 +17,9 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ...model_inputs import cache_kwarg_name
-from ...sampling import StepSampler
-from ...speculators import SelfSpeculator
+from ...generate.sampling import StepSampler
+from ...generate.speculators import SelfSpeculator
+from ...model.inputs import cache_kwarg_name
 
 RECORDER = "dual_decode_steps_recorder"
 _recorded: dict | None = None  # layer -> (query (1, H_q, q, D), keys (1, H_kv, n, D), scaling) of the last call

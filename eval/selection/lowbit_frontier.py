@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from ...help_format import DefaultsHelpFormatter
+from ...cli.help_format import DefaultsHelpFormatter
 
 HEADER = ("# lowbit frontier: bytes, time and recall per configuration (issue 27)\n\n"
           "Step time: `bench-retrieval` (random keys, Llama-3.1-8B shape: 32 layers, 8 KV heads x 128, bf16, budget "

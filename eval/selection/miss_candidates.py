@@ -38,15 +38,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...help_format import DefaultsHelpFormatter
-from ...models import model_display_name
-from .torch_exact import group_attention_mass
-from .decode_steps import dual_steps, full_attention_layers, use_recorder
+from ...cli.help_format import DefaultsHelpFormatter
+from ...model.chat import format_chat
+from ...model.loading import model_display_name
+from ...model.needle_prompt import make_needle_prompt
 from ..outputs import default_out, write_rows_and_table
-from ...chat import format_chat
-from ...needle_prompt import make_needle_prompt
-from ..quality.needle_sweep import load_tool_model, parse_seeds, threads_arg
 from ..quality.natural_text import natural_prompt_ids
+from ..quality.needle_sweep import load_tool_model, parse_seeds, threads_arg
+from .decode_steps import dual_steps, full_attention_layers, use_recorder
+from .torch_exact import group_attention_mass
 
 
 class LayerInputs:

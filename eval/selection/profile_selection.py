@@ -26,12 +26,12 @@ import time
 
 import torch
 
+from ...cli.help_format import DefaultsHelpFormatter
 from ...config import DualDecoderConfig
 from ...engine import native, profiling
 from ...engine.codes import GROUP
-from ...help_format import DefaultsHelpFormatter
-from ...selection import Candidates
-from ...selectors import SELECTORS
+from ...selection.candidates import Candidates
+from ...selection.selectors import SELECTORS
 from ..outputs import default_out, write_rows_and_table
 from ..spread import load_average, load_warning
 from .bench_retrieval import _store, host_read_gbps

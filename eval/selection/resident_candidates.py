@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...cli.help_format import DefaultsHelpFormatter
 from ...config import DualDecoderConfig
-from ...help_format import DefaultsHelpFormatter
-from ...models import model_display_name
+from ...model.loading import model_display_name
 from ..outputs import default_out, write_rows_and_table
 from ..quality.needle_sweep import load_tool_model, parse_seeds, threads_arg
 from .decode_steps import dual_steps, full_attention_layers, use_recorder

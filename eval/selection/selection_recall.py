@@ -4,18 +4,18 @@
         --configs exact lowbit 'lowbit:{"lowbit_factor": 2}' 'lowbit:{"lowbit_factor": 8}' \
         --out results/selection/smollm2-135m-8k-lowbit
 
-For each word-needle prompt (`dual_cache.needle_prompt.make_needle_prompt`), or each RULER sample of `--ruler-task` (the prompts of
-the RULER table: `ruler.generate_sample` with the model's prompt format, seed = sample index), one dense prefill (in
-chunks, transformers' default cache) records every full-attention layer's keys (after RoPE) and the queries of the
-last `--queries` prompt positions. Per layer (from `--skip-layers`), KV head and query position `p`, the exact
-criterion is the softmax attention mass summed over the GQA group over every candidate (positions past the sink and
-before the local window of `p`); `recall` is the mass of the `budget` entries a selector picks divided by the mass
-of the exact top-`budget` (1.0 = the exact selection), and `top-k share` is the exact top-`budget`'s mass divided by
-every candidate's (how much a budget of that size can hold at all: low on tasks whose answer reads many positions).
-Each selector runs as in decoding (`dual_cache.selectors`): its index is built over the prompt (timed: build ms per
-1K tokens per layer), then it selects for each query (timed: ms per layer). Reported per configuration: mean, 10th
-percentile and minimum recall, the key bytes a selection reads relative to exact scoring, the index's host bytes
-relative to the layer's K/V, and the two timings (this CPU; compare within one run).
+For each word-needle prompt (`dual_cache.model.needle_prompt.make_needle_prompt`), or each RULER sample of
+`--ruler-task` (the prompts of the RULER table: `ruler.generate_sample` with the model's prompt format, seed = sample
+index), one dense prefill (in chunks, transformers' default cache) records every full-attention layer's keys (after
+RoPE) and the queries of the last `--queries` prompt positions. Per layer (from `--skip-layers`), KV head and query
+position `p`, the exact criterion is the softmax attention mass summed over the GQA group over every candidate
+(positions past the sink and before the local window of `p`); `recall` is the mass of the `budget` entries a selector
+picks divided by the mass of the exact top-`budget` (1.0 = the exact selection), and `top-k share` is the exact
+top-`budget`'s mass divided by every candidate's (how much a budget of that size can hold at all: low on tasks whose
+answer reads many positions). Each selector runs as in decoding (`dual_cache.selection.selectors`): its index is built
+over the prompt (timed: build ms per 1K tokens per layer), then it selects for each query (timed: ms per layer).
+Reported per configuration: mean, 10th percentile and minimum recall, the key bytes a selection reads relative to exact
+scoring, the index's host bytes relative to the layer's K/V, and the two timings (this CPU; compare within one run).
 """
 
 from __future__ import annotations
@@ -30,17 +30,17 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ...cli.help_format import DefaultsHelpFormatter
 from ...config import DualDecoderConfig
-from ...help_format import DefaultsHelpFormatter
-from ...host_store import HostKVStore
-from ...models import model_display_name
-from .torch_exact import group_attention_mass
-from ...selection import Candidates
-from ...selectors import SELECTORS
-from ...chat import format_chat
-from ...needle_prompt import make_needle_prompt
-from ..quality.needle_sweep import load_tool_model, parse_seeds, threads_arg
+from ...host.store import HostKVStore
+from ...model.chat import format_chat
+from ...model.loading import model_display_name
+from ...model.needle_prompt import make_needle_prompt
+from ...selection.candidates import Candidates
+from ...selection.selectors import SELECTORS
 from ..outputs import default_out, write_rows_and_table
+from ..quality.needle_sweep import load_tool_model, parse_seeds, threads_arg
+from .torch_exact import group_attention_mass
 
 RECORDER = "dual_recall_recorder"
 _recording: dict | None = None  # layer -> (queries, keys, scaling) of the last chunk, while recording
@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
             "index_fraction": sum(p["index_bytes"] for p in parts) / sum(p["kv_bytes"] for p in parts),
             "build_ms_per_1k_tokens": 1e3 * sum(p["build_s"] for p in parts) / len(parts) / (args.tokens / 1000),
             "select_ms": 1e3 * sum(p["select_s"] for p in parts) / len(parts),
-            "per_layer": {layer: recall_summary(torch.cat(values)) for layer, values in sorted(by_layer[index].items())},
+            "per_layer": {layer: recall_summary(torch.cat(values)) for layer, values in
+            sorted(by_layer[index].items())},
         })
     label = model_display_name(args.model)
     prompts = f"RULER {args.ruler_task} samples" if args.ruler_task else "word-needle prompts"

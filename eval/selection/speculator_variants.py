@@ -27,11 +27,11 @@ from typing import Sequence
 
 import torch
 
-from ... import step as step_module
-from ...cache import DualDecoderCache
-from ...help_format import DefaultsHelpFormatter
-from ...model_inputs import cache_kwarg_name
-from ...speculators import PromptLookupSpeculator, SelfSpeculator, Speculator
+from ...cache.cache import DualDecoderCache
+from ...cli.help_format import DefaultsHelpFormatter
+from ...generate import step as step_module
+from ...generate.speculators import PromptLookupSpeculator, SelfSpeculator, Speculator
+from ...model.inputs import cache_kwarg_name
 from ..outputs import default_out, write_rows_and_table
 from ..quality.natural_text import natural_prompt_ids
 from ..quality.needle_sweep import load_tool_model, parse_seeds, threads_arg

@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from ...quest_pages import pad_selection
+from ...selection.quest_pages import pad_selection
 
 Keys = torch.Tensor | Sequence[torch.Tensor]
 

@@ -2,9 +2,10 @@
 
     python -m dual_cache.eval.throughput.agentic --tokens 8192 --questions 8 --out results/agentic/embedded-8k
 
-1. **Shared document.** A document of `--tokens` tokens (the Python reference, `dual_cache.needle_prompt.reference_document`) holds
-   one word needle per question ("The special magic number for <word> is: <7 digits>."). Each question is asked as
-   one user turn `document + question`. *Re-prefill*: one `generate()` per question, each with a fresh dual cache
+1. **Shared document.** A document of `--tokens` tokens (the Python reference,
+   `dual_cache.model.needle_prompt.reference_document`) holds one word needle per question ("The special magic
+   number for <word> is: <7 digits>."). Each question is asked as one user turn `document + question`.
+   *Re-prefill*: one `generate()` per question, each with a fresh dual cache
    (the whole turn prefilled every time). *Shared*: the document's tokens (the turns' common token prefix) are
    prefilled once into a `DualDecoderCache`, then one `generate()` decodes every question as a batch that continues
    it (the document stored once on the host; each sequence selects its own entries). Reported: seconds end to end,
@@ -25,11 +26,11 @@ import time
 
 import torch
 
-from ...cache import DualDecoderCache
-from ...help_format import DefaultsHelpFormatter
-from ...needle_prompt import NEEDLE_WORDS, reference_document
-from ..quality.needle_sweep import load_tool_model, threads_arg
+from ...cache.cache import DualDecoderCache
+from ...cli.help_format import DefaultsHelpFormatter
+from ...model.needle_prompt import NEEDLE_WORDS, reference_document
 from ..outputs import default_out, write_rows_and_table
+from ..quality.needle_sweep import load_tool_model, threads_arg
 
 NEW_TOKENS = 24
 

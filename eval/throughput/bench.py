@@ -38,8 +38,8 @@ of the runs with `<field>_min` / `<field>_max` beside it, `eval/spread.py`) it r
   `idle_copy_fraction` and `idle_host_fraction`, the shares of the device's step time it idled waiting for selection
   copies and without work while the launch thread waited on host selection (`overlap_ratio` is 1 − their sum);
 - `sync_points_per_step`: the launch thread's synchronization points per decode step after the warm-up steps (mean;
-  `dual_cache.sync_points.SyncCounter` around `generate()`, read at each generated token), and `sync_points_by_op`
-  the same by operation; NaN for `offloaded` and with counting off (`BenchGrid.count_sync_points`);
+  `dual_cache.runtime.sync_points.SyncCounter` around `generate()`, read at each generated token), and
+  `sync_points_by_op` the same by operation; NaN for `offloaded` and with counting off (`BenchGrid.count_sync_points`);
 - `blocked_ms_per_step`: milliseconds per decode step after the warm-up steps (mean) the launch thread waited for
   host selection (the dual cache's `wait_seconds`: retrieval it ran in line or waited for, a CPU device's copies,
   synchronous miss repairs; 0 for dense, which never selects; NaN for `offloaded`; `launch_thread.py` defines it);
@@ -73,15 +73,15 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from ...cache import available_host_bytes
-from ...progress import shown
-from .bench_capacity import GIB, MemoryLimits, apply_device_cap, find_max_batch
+from ...cache.cache import available_host_bytes
+from ...runtime.progress import shown
 from .. import spread
+from ..outputs import default_out
+from .bench_capacity import GIB, MemoryLimits, apply_device_cap, find_max_batch
 from .bench_cell import run_cell
 from .bench_grid import ALL_METHODS, CPU_LINEARS, PROMPT_KINDS, BenchGrid, skipped_methods
-from .bench_result import BenchResult
 from .bench_models import NAMED_MODELS, PromptSource, load_bench_model, weight_bytes
-from ..outputs import default_out
+from .bench_result import BenchResult
 from .cpu_linear import gemm_linears
 
 
@@ -110,7 +110,7 @@ def run_bench(model, tokenizer, grid: BenchGrid, limits: MemoryLimits | None = N
         repeats: runs of every grid cell, round by round, the methods of a context and batch in an order rotated
             each round (`eval/spread.py`); a cell's row holds the median of its timings (`TIMED`) and their
             `<field>_min` / `<field>_max`. The max-batch search measures each batch it probes once.
-        progress: draw progress bars on stderr (`dual_cache.progress`): the cells ("cell k of N" and the cell's
+        progress: draw progress bars on stderr (`dual_cache.runtime.progress`): the cells ("cell k of N" and the cell's
             name; the max-batch search's probes are named, not counted) and, inside each cell, its prefill by layer
             and decode by token. `log` lines are then written above the bars.
 

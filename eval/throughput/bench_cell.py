@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from ...cache import available_host_bytes
-from ...progress import GenerationProgress
-from ...timing import TimingStreamer
+from ...cache.cache import available_host_bytes
+from ...generate.timing import TimingStreamer
+from ...runtime.progress import GenerationProgress
 from .bench_accounting import cache_accounting
 from .bench_grid import BUDGETED, FORCED_MISS, BenchGrid
 from .bench_models import PromptSource, kv_bytes_estimate
@@ -110,7 +110,7 @@ def _generate_kwargs(model, method: str, budget: int | None, grid: BenchGrid, pr
             kwargs["cache"] = ForcedMissCache(model.config, max_cache_len=max_cache_len,
                                               miss_rate=grid.forced_miss_rate, **config)
         else:
-            from ...cache import DualDecoderCache
+            from ...cache.cache import DualDecoderCache
 
             kwargs["cache"] = DualDecoderCache(model.config, max_cache_len=max_cache_len, **config)
     else:
@@ -137,7 +137,7 @@ def run_cell(model, prompts: PromptSource, method: str, context: int, batch: int
             host memory available now.
         keep_going: record any other exception as `error` "failed: ..." instead of raising.
         progress: draw the cell's prefill (by layer) and decode (by token) on stderr
-            (`dual_cache.progress.GenerationProgress`).
+            (`dual_cache.runtime.progress.GenerationProgress`).
     """
     import dual_cache  # noqa: F401  (registers cache_implementation="dual")
 

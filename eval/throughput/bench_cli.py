@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ...help_format import DefaultsHelpFormatter
+from ...cli.help_format import DefaultsHelpFormatter
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -57,7 +57,7 @@ def load_bench_model(name: str, device: torch.device):
         if device.type != "cuda":
             raise ValueError("--model llama8b needs --device cuda (a random 8B model in bf16).")
         return random_model(llama31_8b_config(), torch.bfloat16, device), None
-    from ...models import load_model
+    from ...model.loading import load_model
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return load_model(None if name == "embedded" else name, dtype=dtype, device=str(device))
@@ -93,8 +93,8 @@ class PromptSource:
 
                 self._cache[key] = natural_prompt_ids(self.tokenizer, context, seed)
             else:
-                from ...chat import format_chat
-                from ...needle_prompt import make_needle_prompt
+                from ...model.chat import format_chat
+                from ...model.needle_prompt import make_needle_prompt
 
                 prompt = make_needle_prompt(self.tokenizer, context, seed=seed)
                 self._cache[key] = format_chat(self.tokenizer, prompt.text)

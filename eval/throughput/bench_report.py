@@ -7,10 +7,10 @@ import math
 import os
 from typing import Callable
 
-from .bench_grid import RATIO_BASELINES, decoding_text, method_label
-from ...extras import require
-from ..spread import load_warning, with_range
+from ...runtime.extras import require
 from ..outputs import mib
+from ..spread import load_warning, with_range
+from .bench_grid import RATIO_BASELINES, decoding_text, method_label
 
 MIB = 1024 ** 2
 GIB = 1024 ** 3

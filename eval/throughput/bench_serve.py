@@ -30,8 +30,8 @@ import time
 
 import torch
 
+from ...cli.help_format import DefaultsHelpFormatter
 from ...config import DualDecoderConfig
-from ...help_format import DefaultsHelpFormatter
 from ...serving.rows import GREEDY_BELOW
 from .. import spread
 from ..outputs import default_out, write_rows_and_table
@@ -123,7 +123,7 @@ def run_scheduler(model, requests, args, dense: bool) -> list[dict]:
 
 
 def run_static(model, requests, args, pad_id: int) -> list[dict]:
-    from ...cache import DualDecoderCache
+    from ...cache.cache import DualDecoderCache
 
     out, start = [], time.perf_counter()
     peak = {"device": 0, "host": 0}
@@ -284,7 +284,7 @@ def table(rows: list[dict], args) -> str:
 
 
 def add_parser(sub) -> None:
-    from ...serving.cli import cache_config
+    from ...cli.serve import cache_config
 
     p = sub.add_parser("bench-serve", help="serving benchmark: Poisson arrivals, dual vs dense vs static generate()",
                        description="Serving benchmark: a Poisson stream of long-context requests with mixed output "
@@ -357,7 +357,7 @@ def cmd_bench_serve(args) -> int:
     if problems:
         raise ValueError("; ".join(problems) + ".")
     args.cache_config = args.cache_config or DualDecoderConfig()
-    from ...models import load_model, model_display_name
+    from ...model.loading import load_model, model_display_name
 
     model, tokenizer = load_model(args.model)
     special = set(tokenizer.all_special_ids) if tokenizer is not None else set()

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import random
 
-from ...cache import DualDecoderCache
-from ...repair import StepRows
+from ...cache.cache import DualDecoderCache
+from ...layer.repair import StepRows
 
 
 class ForcedMissCache(DualDecoderCache):

@@ -3,8 +3,9 @@
 The launch thread is the one that runs the model's forward and so queues the device's work: the thread calling
 `generate()`, or the serving scheduler's loop thread. Per decode step, `StepProbe` records
 
-- its **synchronization points**: the host-synchronizing torch calls and host waits it makes (`dual_cache.sync_points.
-  SyncCounter`, by operation), each of which stalls it on a GPU until the device has run everything queued;
+- its **synchronization points**: the host-synchronizing torch calls and host waits it makes
+  (`dual_cache.runtime.sync_points. SyncCounter`, by operation), each of which stalls it on a GPU until the device has
+  run everything queued;
 - its **blocked time**: the seconds it waits for host selection instead of launching work, from the dual cache's own
   clock (`cache.stats()["wait_seconds"]`): a retrieval job it runs in line (`retrieval_threads=0`) or that a worker
   has not finished when its layer needs the entries, a CPU device's host→device copies of the selected entries
@@ -25,7 +26,7 @@ import statistics
 from collections import Counter
 from typing import Iterator
 
-from ...sync_points import SyncCounter, uncounted
+from ...runtime.sync_points import SyncCounter, uncounted
 
 NAN = float("nan")
 

@@ -16,11 +16,11 @@ import sys
 
 import torch
 
-from ...cache import DualDecoderCache
-from ...timing import TimingStreamer
-from ...models import load_model
-from ...chat import format_chat
-from ...needle_prompt import make_needle_prompt
+from ...cache.cache import DualDecoderCache
+from ...generate.timing import TimingStreamer
+from ...model.chat import format_chat
+from ...model.loading import load_model
+from ...model.needle_prompt import make_needle_prompt
 
 
 def summarize(timeline: list[dict], skip_steps: int = 1) -> list[dict]:

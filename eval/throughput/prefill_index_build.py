@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from ...help_format import DefaultsHelpFormatter
+from ...cli.help_format import DefaultsHelpFormatter
 from .step_profile import prompt_ids
 
 SELECTORS = ("exact", "lowbit")
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.tokens < 1 or args.rounds < 1 or args.budget < 1:
         parser.error("--tokens, --rounds and --budget must be >= 1")
-    from ...models import load_model
+    from ...model.loading import load_model
 
     model, _ = load_model(args.model)
     row = {"model": args.model or "embedded", **time_prefills(model, args.tokens, args.rounds, args.budget)}

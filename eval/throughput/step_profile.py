@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from ...help_format import DefaultsHelpFormatter
+from ...cli.help_format import DefaultsHelpFormatter
 
 
 class _StepTimes:
@@ -51,8 +51,8 @@ def prompt_ids(tokenizer, vocab_size: int, tokens: int, batch: int, prompt: str,
     if prompt == "random":
         low = min(100, vocab_size // 4)  # clear of the special tokens at either end of a real vocabulary
         return torch.randint(low, vocab_size - low, (batch, tokens), generator=torch.Generator().manual_seed(seed))
-    from ...chat import format_chat
-    from ...needle_prompt import make_needle_prompt
+    from ...model.chat import format_chat
+    from ...model.needle_prompt import make_needle_prompt
 
     text = make_needle_prompt(tokenizer, tokens, seed=seed).text
     return torch.tensor([format_chat(tokenizer, text)]).expand(batch, -1).contiguous()

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from dual_cache.help_format import DefaultsHelpFormatter
+from dual_cache.cli.help_format import DefaultsHelpFormatter
 from dual_cache.serving.openmp_pool import release_openmp_pool
 
 
@@ -54,7 +54,7 @@ def cases(batch: int, prompt: int, steps: int):
         for _ in range(100):
             torch.nn.functional.linear(x, weight)
 
-    from dual_cache.models import load_model
+    from dual_cache.model.loading import load_model
 
     model, _ = load_model(None)
     ids = torch.randint(1000, 20000, (batch, prompt), generator=gen)

@@ -24,7 +24,7 @@ def load_metric(name: str):
     Raises:
         MissingExtraError: without the `eval` extra (datasets, evaluate and the metrics' libraries).
     """
-    from ....extras import require
+    from ....runtime.extras import require
 
     require("eval", f"the {name} metric")
     import evaluate
