@@ -1,7 +1,8 @@
 """The package's import graph, read from the source with `ast`: no import loop anywhere in `dual_cache` (the library
-and `eval/`, installed as `dual_cache.eval`), and the library imports nothing from `dual_cache.eval`, not even inside
-a function (docs/architecture.md: evaluation sits on top; the CLI reaches it through the `dual_cache.commands`
-entry-point group).
+and `eval/`, installed as `dual_cache.eval`); the library's packages in one order, bottom to top (`LEVELS`: a package
+imports only those below it, a failure names the file, line and both packages of each import against it); and the
+library imports nothing from `dual_cache.eval`, not even inside a function (docs/architecture.md: evaluation sits on
+top; the CLI reaches it through the `dual_cache.commands` entry-point group).
 
 Every `import` statement counts, at module level or inside a function or class body (under `if TYPE_CHECKING:` too:
 a type-only import of the evaluation code still ties the library to it). `from pkg import name` is an
@@ -201,3 +202,82 @@ def test_installed_eval_commands_are_pyprojects():
         assert _in_eval(module) and module in modules, (
             f"entry point {name} = {value!r}: name a module of dual_cache.eval (eval/); the library's own commands are "
             "added by dual_cache/cli/main.py's build_parser")
+
+
+# The library's packages, bottom to top (docs/architecture.md, "Packages"). A module may import its own package and the
+# packages of the levels below its package's, never a package beside it (the same level) or above it. A top-level
+# module (`config.py`) is a level of its own; "" is `dual_cache/__init__.py`, the public names; `dual_cache.eval` sits
+# on top of everything (test_library_imports_nothing_from_eval).
+LEVELS = (
+    ("runtime", "kernels"),
+    ("engine", "host", "model"),
+    ("selection",),
+    ("config",),
+    ("transfer",),
+    ("layer",),
+    ("cache",),
+    ("generate",),
+    ("serving",),
+    ("cli",),
+    ("",),
+    ("custom_generate",),
+)
+LEVEL = {package: level for level, packages in enumerate(LEVELS) for package in packages}
+
+
+def package_of(module: str) -> str:
+    """The library package (or top-level module) a module belongs to: `dual_cache.host.store` → `host`,
+    `dual_cache.config` → `config`, `dual_cache` → ""."""
+    return module.split(".")[1] if module.count(".") else ""
+
+
+def order_violations(graph: dict[str, dict[str, int]], files: dict[str, Path]) -> list[str]:
+    """Every import of a library module from a package at its importer's level or above, as
+    `file:line: importer (package) imports target (package), beside / above it`."""
+    found = []
+    for source, edges in sorted(graph.items()):
+        if _in_eval(source):
+            continue
+        for target, line in sorted(edges.items()):
+            if _in_eval(target) or package_of(source) == package_of(target):
+                continue
+            here, there = LEVEL[package_of(source)], LEVEL[package_of(target)]
+            if there >= here:
+                where = files[source].relative_to(ROOT) if source in files else source
+                found.append(f"  {where}:{line}: {source} ({package_of(source) or 'dual_cache/__init__.py'}) imports "
+                             f"{target} ({package_of(target) or 'dual_cache/__init__.py'}), "
+                             f"{'beside' if there == here else 'above'} it")
+    return found
+
+
+def test_every_package_has_a_level():
+    """A new package or top-level module of dual_cache/ takes its place in LEVELS before anything imports it."""
+    modules = module_files()
+    unplaced = sorted({package_of(m) for m in modules if not _in_eval(m)} - set(LEVEL))
+    assert not unplaced, (f"dual_cache/ has packages or top-level modules without a level: {unplaced}; add each to "
+                          "LEVELS in tests/test_import_graph.py and to docs/architecture.md's package list")
+    assert sorted(LEVEL) == sorted({package_of(m) for m in modules if not _in_eval(m)}), (
+        "LEVELS names packages that do not exist: " + ", ".join(sorted(set(LEVEL) - {package_of(m) for m in modules})))
+
+
+def test_an_import_against_the_order_is_named_with_its_line(tmp_path):
+    graph = {"dual_cache.host.store": {"dual_cache.layer.layer": 12, "dual_cache.runtime.streams": 3},
+             "dual_cache.layer.layer": {"dual_cache.host.store": 5, "dual_cache.layer.call": 6},
+             "dual_cache.layer.call": {}, "dual_cache.runtime.streams": {"dual_cache.kernels": 9},
+             "dual_cache.kernels": {}}
+    files = {name: ROOT / "dual_cache" / (name.split(".", 1)[1].replace(".", "/") + ".py") for name in graph}
+    assert order_violations(graph, files) == [
+        "  dual_cache/host/store.py:12: dual_cache.host.store (host) imports dual_cache.layer.layer (layer), above it",
+        "  dual_cache/runtime/streams.py:9: dual_cache.runtime.streams (runtime) imports dual_cache.kernels (kernels), "
+        "beside it",
+    ]
+
+
+def test_packages_import_only_the_levels_below_them():
+    """The package order: lower packages never import higher ones, nor their neighbours on the same level, so each
+    can be read, tested and changed knowing only what is below it."""
+    found = order_violations(import_graph(), module_files())
+    assert not found, "imports against the package order (LEVELS, bottom to top: " + " → ".join(
+        ", ".join(p or "dual_cache/__init__.py" for p in level) for level in LEVELS) + "):\n" + "\n".join(found) + (
+        "\nMove the imported piece down to a package below the importer, or the importing code up; where a module "
+        "belongs elsewhere, move it (git mv) and update LEVELS only with a reason in docs/architecture.md.")
