@@ -76,7 +76,7 @@ def test_decode_crops_never_touch_the_index_while_a_job_extends_it(switch_often)
     """The decode pattern: a job extends the index up to `committed - window` on a worker thread while the loop
     crops the speculated token (`truncate(committed)`); every extension survives."""
     store = _store(6, tokens=400)
-    selector = SELECTORS["lowbit"](DualDecoderConfig(selector="lowbit"), 16, store, "cpu")
+    selector = SELECTORS["lowbit"](DualDecoderConfig(selector="lowbit"), store, "cpu")
     first_real = torch.tensor([0, 5])
     window = 1  # the smallest window the config allows: the tightest case
     ends = range(2 * GROUP, 400 - window)
@@ -99,7 +99,7 @@ def test_decode_crops_never_touch_the_index_while_a_job_extends_it(switch_often)
 def test_a_deep_truncate_waits_for_a_running_extend(monkeypatch):
     """A crop that forgets groups takes the index lock: it never interleaves with an extension in flight."""
     store = _store(7, tokens=400)
-    selector = SELECTORS["lowbit"](DualDecoderConfig(selector="lowbit"), 16, store, "cpu")
+    selector = SELECTORS["lowbit"](DualDecoderConfig(selector="lowbit"), store, "cpu")
     first_real = torch.tensor([0, 0])
     selector.extend(3 * GROUP, first_real)
     inside, release = threading.Event(), threading.Event()

@@ -306,7 +306,7 @@ def _store(seed, batch=2, kv_heads=2, dim=16, tokens=400):
 def test_index_grown_step_by_step_equals_one_built_at_once():
     config = DualDecoderConfig(selector="lowbit", lowbit_factor=2)
     first_real = torch.tensor([0, 37])
-    grown, whole = (SELECTORS["lowbit"](config, 16, _store(2), "cpu") for _ in range(2))
+    grown, whole = (SELECTORS["lowbit"](config, _store(2), "cpu") for _ in range(2))
     for length in (50, 64, 130, 131, 260, 333, 400):
         grown.extend(length, first_real)
     whole.extend(400, first_real)
@@ -325,10 +325,10 @@ def test_lowbit_selector_with_a_shortlist_of_everything_selects_what_exact_selec
     mask = torch.ones(2, 380, dtype=torch.bool)
     mask[1, :37] = False
     candidates = Candidates(mask, torch.tensor([0, 37]))
-    exact = SELECTORS["exact"](DualDecoderConfig(), 24, store, "cpu").select(query, candidates, 0.25)
-    lowbit = SELECTORS["lowbit"](DualDecoderConfig(selector="lowbit", lowbit_factor=100), 24, store, "cpu")
+    exact = SELECTORS["exact"](DualDecoderConfig(), store, "cpu").select(query, candidates, 0.25, 24)
+    lowbit = SELECTORS["lowbit"](DualDecoderConfig(selector="lowbit", lowbit_factor=100), store, "cpu")
     lowbit.extend(candidates.end, candidates.first_real)  # the index, built apart from the query
-    got = lowbit.select(query, candidates, 0.25)
+    got = lowbit.select(query, candidates, 0.25, 24)
     assert lowbit.n_groups == [5, 5]  # the index was built and scanned
     assert torch.equal(got[0], exact[0]) and torch.equal(got[1], exact[1])
 
@@ -484,18 +484,18 @@ def test_select_into_fills_the_staging_buffer_as_select_then_gather(name):
         store.append(torch.randn(3, 2, size, 16, generator=gen).bfloat16(),
                      torch.randn(3, 2, size, 16, generator=gen).bfloat16())
     config = DualDecoderConfig(selector=name, lowbit_factor=2)
-    selector = SELECTORS[name](config, 24, store, "cpu")
+    selector = SELECTORS[name](config, store, "cpu")
     query = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(8))
     mask = torch.ones(2, 650, dtype=torch.bool)
     candidates = Candidates(mask, torch.zeros(2, dtype=torch.long), sequences=(2, 0))  # sequences 2 and 0
     out = tuple(torch.empty(2, 2, 24, 16, dtype=torch.bfloat16) for _ in range(2))
-    indices, valid = selector.select_into(query, candidates, 0.25, out)
-    expected_indices, expected_valid = selector.select(query, candidates, 0.25)
+    indices, valid = selector.select_into(query, candidates, 0.25, 24, out)
+    expected_indices, expected_valid = selector.select(query, candidates, 0.25, 24)
     keys, values = store.gather(expected_indices, rows=[2, 0])
     assert torch.equal(indices, expected_indices) and torch.equal(valid, expected_valid)
     assert torch.equal(out[0], keys) and torch.equal(out[1], values)
     with pytest.raises(ValueError, match="out"):
-        selector.select_into(query, candidates, 0.25, (out[0], out[1][:, :, :8]))
+        selector.select_into(query, candidates, 0.25, 24, (out[0], out[1][:, :, :8]))
 
 
 def test_a_long_scan_uses_a_sparser_threshold_sample_and_selects_what_the_reference_selects():

@@ -38,7 +38,7 @@ def contains_real_top(cache) -> list[bool]:
         end = committed - layer.config.window
         candidates = Candidates(layer.sequences.candidates_below(end), layer.sequences.first_real)
         top, valid = layer.selector.select_exact(query[:, :, 0].float().cpu(), candidates, scaling,
-                                                 layer.request_budget)
+                                                 layer.shape.budget)
         resident = step.segments[1]
         held = resident.positions.expand_as(resident.valid).cpu()
         held = torch.where(resident.valid.cpu(), held, -1)

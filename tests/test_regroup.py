@@ -59,7 +59,7 @@ def test_regrouped_sequences_keep_their_state():
             for layer, old in zip(new.dual_layers, source.dual_layers):
                 for mine, theirs in zip(_real(new, layer, i), _real(source, old, row)):
                     assert torch.equal(mine, theirs)
-                assert torch.equal(layer.next_query[i], old.next_query[row])
+                assert torch.equal(layer.carry.query[i], old.carry.query[row])
                 index, old_index = layer.selector, old.selector
                 groups = old_index.n_groups[row]
                 assert index.n_groups[i] >= groups and index.group_first[i] == axis - length
@@ -67,7 +67,7 @@ def test_regrouped_sequences_keep_their_state():
                 assert torch.equal(index.params[i, :, :groups], old_index.params[row, :, :groups])
         for layer in new.dual_layers:  # the copied index equals one built anew over the regrouped store
             copied = layer.selector
-            rebuilt = type(copied)(copied.config, copied.budget, layer.host, copied.device)
+            rebuilt = type(copied)(copied.config, layer.host, copied.device)
             rebuilt.extend(axis, new.sequences.first_real)
             assert rebuilt.group_first == copied.group_first and rebuilt.n_groups == copied.n_groups
             for i, count in enumerate(copied.n_groups):

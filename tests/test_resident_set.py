@@ -115,6 +115,6 @@ def test_a_short_request_holds_no_slot_that_could_never_fill():
     prompt = torch.randint(3, 90, (1, 200), generator=torch.Generator().manual_seed(9))
     with DualDecoderCache(model.config, budget=256) as cache:
         model.generate(prompt, max_new_tokens=4, do_sample=False, cache=cache)
-        capacities = {layer.capacity for layer in cache.dual_layers}
+        capacities = {layer.shape.capacity for layer in cache.dual_layers}
     # the request holds 200 + 4 tokens and the last step's speculated one; window 64, sink 4
     assert capacities == {200 + 4 + 1 - 64 - 4}

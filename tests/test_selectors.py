@@ -40,9 +40,12 @@ def _store(keys: torch.Tensor, piece: int = 37, reserve: int = 0) -> HostKVStore
     return store
 
 
-def _selector(name: str, store: HostKVStore, budget: int = 8) -> Selector:
+BUDGET = 8  # entries per (sequence, KV head) the tests' selections choose
+
+
+def _selector(name: str, store: HostKVStore) -> Selector:
     """`name`'s selector over `store`; the 2-bit index rescores 2 × budget positions, so its scan decides."""
-    return SELECTORS[name](DualDecoderConfig(selector=name, lowbit_factor=2), budget, store, "cpu")
+    return SELECTORS[name](DualDecoderConfig(selector=name, lowbit_factor=2), store, "cpu")
 
 
 @pytest.mark.parametrize("seed", [21, 22])
@@ -57,7 +60,7 @@ def test_a_job_selects_its_exact_rows_as_the_exact_selector_and_the_others_by_it
     candidates = Candidates(torch.arange(280)[None, :].expand(3, 280) >= 2, torch.zeros(3, dtype=torch.long))
 
     def run(selector, rows=None, exact_rows=frozenset()):
-        return selector.job(query, None, candidates, 0.35, 8, 8, rows, frozenset(exact_rows))()
+        return selector.job(query, None, candidates, 0.35, BUDGET, BUDGET, rows, frozenset(exact_rows))()
 
     by_index, by_exact = run(lowbit), run(exact)
     assert not torch.equal(by_index.positions, by_exact.positions)  # the index's scan decides something here
@@ -84,16 +87,16 @@ def test_one_sequence_selects_as_in_the_whole_batch_and_padding_never_moves_its_
     selector = _selector(name, store)
     hi = 190  # two complete 64-token groups in every row, counted from its first real token
     mask = torch.arange(hi)[None, :] >= starts[:, None] + 2
-    whole = selector.select(query, Candidates(mask, starts), 0.3)
+    whole = selector.select(query, Candidates(mask, starts), 0.3, BUDGET)
     for row in range(2):
-        one = selector.select(query[row : row + 1], Candidates(mask, starts).subset([row]), 0.3)
+        one = selector.select(query[row : row + 1], Candidates(mask, starts).subset([row]), 0.3, BUDGET)
         assert torch.equal(one[1], whole[1][row : row + 1])
         assert torch.equal(one[0][one[1]], whole[0][row : row + 1][one[1]])
     # the padded row's selection equals that of the same tokens alone, shifted by the padding
     solo_store = _store(alone)
     solo = _selector(name, solo_store)
     solo_mask = torch.arange(hi - pad)[None, :] >= 2
-    expected = solo.select(query[1:], Candidates(solo_mask, torch.tensor([0])), 0.3)
+    expected = solo.select(query[1:], Candidates(solo_mask, torch.tensor([0])), 0.3, BUDGET)
     assert torch.equal(expected[1], whole[1][1:])
     assert torch.equal(expected[0][expected[1]] + pad, whole[0][1:][expected[1]])
 
@@ -106,7 +109,7 @@ def test_what_the_cache_checks_before_allocating_covers_what_a_selector_allocate
     starts = torch.tensor([0, 45])
     selector.extend(260, starts)
     mask = torch.arange(250)[None, :] >= starts[:, None] + 2
-    selector.select(torch.randn(2, 4, 8, generator=g), Candidates(mask, starts), 0.3)
+    selector.select(torch.randn(2, 4, 8, generator=g), Candidates(mask, starts), 0.3, BUDGET)
     allowed = 2 * SELECTORS[name].host_bytes_for(selector.config, store.capacity, 2, 8, store.element_size)
     assert selector.host_bytes <= allowed
     assert (selector.host_bytes > 0) == (name == "lowbit")  # only the 2-bit index lives on the host
@@ -131,7 +134,7 @@ def test_a_shared_prefix_selects_what_each_sequence_with_its_own_copy_selects(na
     starts = torch.zeros(3, dtype=torch.long)
     for selector in (shared, copies):  # index maintenance is the caller's (a decode step's job), apart from select
         selector.extend(340, starts)
-    a, b = (selector.select(query, Candidates(mask, starts), 0.3) for selector in (shared, copies))
+    a, b = (selector.select(query, Candidates(mask, starts), 0.3, BUDGET) for selector in (shared, copies))
     assert torch.equal(a[1], b[1])
     for row in range(3):
         for h in range(2):
@@ -195,7 +198,7 @@ def test_the_2bit_index_claims_what_it_holds_as_it_grows_and_is_shared():
     g = torch.Generator().manual_seed(24)
     store = _store(torch.randn(1, 2, 130, 8, generator=g))
     claimed = []
-    selector = SELECTORS["lowbit"](DualDecoderConfig(selector="lowbit"), 8, store, "cpu", claim_host=claimed.append)
+    selector = SELECTORS["lowbit"](DualDecoderConfig(selector="lowbit"), store, "cpu", claim_host=claimed.append)
     selector.extend(130, torch.zeros(1, dtype=torch.long))
     store.share(3)
     selector.share()

@@ -6,11 +6,11 @@ whose rows are the chosen sequences of caches between requests, right-aligned on
 them: each sequence keeps its own tokens, pads (never selected, never attended) fill the left of the shorter ones,
 and the leading pads of its old batch are dropped. What a sequence's next decode step sees is unchanged: its keys and
 values (RoPE was applied with its own positions, which the decode loop keeps per row), its sink tokens, its window,
-its selector index (built per sequence from its first real token, so the same groups as before), the query
-that selects its next entries (`DualLayer.next_query`) and its resident set (`DualLayer.next_resident`: the
-positions each layer held on the device, restored from the host store at its next step). So a sequence decodes in the new cache as it would have in
-the old one, token for token at any budget with the exact and lowbit selectors (the Quest baseline's pages are
-aligned to axis positions and may differ).
+its selector index (built per sequence from its first real token, so the same groups as before), and what each
+layer's last request carries to the next (`RequestCarry`: the query that selects its next entries, the positions last
+attended, its resident set, restored from the host store at its next step; handed to the new layer whole,
+`DualLayer.adopt`). So a sequence decodes in the new cache as it would have in the old one, token for token at any
+budget with the exact and lowbit selectors (the Quest baseline's pages are aligned to axis positions and may differ).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from ..layer.layer import DualLayer
+from ..layer.request import RequestCarry
 from ..model.layer_types import SLIDING_ATTENTION
 from ..selection.selectors.base import OWN_TOP
 from .cache import DualDecoderCache
@@ -131,7 +132,7 @@ def _kv_dtype(cache: DualDecoderCache) -> torch.dtype:
 
 
 def _regroup_dual(layer: DualLayer, sources, starts, offsets, axis: int, out: DualDecoderCache) -> None:
-    """Host store, selector index and next query of one full-attention layer."""
+    """Host store, carry and selector index of one full-attention layer."""
     src = sources[0][0]
     kv_heads, dim = src.host.shape_prefix[1], src.host.head_dim
     keys = torch.zeros(len(sources), kv_heads, axis, dim, dtype=src.host.dtype)
@@ -141,41 +142,58 @@ def _regroup_dual(layer: DualLayer, sources, starts, offsets, axis: int, out: Du
         end, rows = source.host.length, slice(row, row + 1)
         _copy_positions(source.host.key_chunks(end, rows), start, keys[i, :, offset:])
         _copy_positions(source.host.value_chunks(end, rows), start, values[i, :, offset:])
-    layer.reserve_tokens = axis
-    layer.lazy_initialization(keys[:, :, :0].to(src.device), values[:, :, :0].to(src.device))
-    layer.host.append(keys, values)
-    layer.scaling = src.scaling
-    queries = [source.next_query for source, _ in sources]
-    if all(q is not None for q in queries):
-        layer.next_query = torch.stack([q[row if q.shape[0] > 1 else 0] for q, (_, row) in zip(queries, sources)])
-    attended = [source.next_attended for source, _ in sources]
-    if any(a is not None for a in attended):  # the positions each row's last step attended, on the new axis
-        width = max(a.shape[2] for a in attended if a is not None)
-        rows = []
-        for a, (_, row), start, offset in zip(attended, sources, starts, offsets):
-            mine = None if a is None else a[row if a.shape[0] > 1 else 0]
-            if mine is None or int(mine[0, 0]) == OWN_TOP:  # not decoded yet: its first step continues its own
-                rows.append(torch.full((kv_heads, width), OWN_TOP, dtype=torch.long))  # query's top entries
-                continue
-            shifted = torch.where(mine >= start, mine - start + offset, -1)
-            rows.append(torch.nn.functional.pad(shifted, (0, width - mine.shape[1]), value=-1))
-        layer.next_attended = torch.stack(rows)
-    carried = [source.next_resident for source, _ in sources]
-    if any(c is not None for c in carried):  # each row's resident set, on the new axis (restored at its next step)
-        width = max(c[0].shape[2] for c in carried if c is not None)
-        positions, stamps = [], []
-        for c, (_, row), start, offset in zip(carried, sources, starts, offsets):
-            if c is None:  # not decoded yet: its first step starts from an empty set
-                positions.append(torch.full((kv_heads, width), -1, dtype=torch.long))
-                stamps.append(torch.zeros(kv_heads, width, dtype=torch.long))
-                continue
-            mine, when = c[0][row if c[0].shape[0] > 1 else 0], c[1][row if c[1].shape[0] > 1 else 0]
-            shifted = torch.where(mine >= start, mine - start + offset, -1)
-            positions.append(torch.nn.functional.pad(shifted, (0, width - mine.shape[1]), value=-1))
-            stamps.append(torch.nn.functional.pad(when, (0, width - when.shape[1]), value=0))
-        layer.next_resident = (torch.stack(positions), torch.stack(stamps))
+    carry = RequestCarry(_carried_queries(sources), _carried_attended(sources, starts, offsets),
+                         _carried_resident(sources, starts, offsets), src.carry.scaling)
+    layer.adopt(keys, values, src.device, carry)
     if layer.selector is not None:
         layer.selector.adopt([(source.selector, row) for source, row in sources], axis, out.sequences.first_real)
+
+
+def _carried_queries(sources) -> torch.Tensor | None:
+    """The query that selects each row's next first step, stacked (None unless every source carries one)."""
+    queries = [source.carry.query for source, _ in sources]
+    if not all(q is not None for q in queries):
+        return None
+    return torch.stack([q[row if q.shape[0] > 1 else 0] for q, (_, row) in zip(queries, sources)])
+
+
+def _carried_attended(sources, starts, offsets) -> torch.Tensor | None:
+    """The positions each row's last step attended, on the new axis (None when no source carries any)."""
+    attended = [source.carry.attended for source, _ in sources]
+    if all(a is None for a in attended):
+        return None
+    kv_heads = sources[0][0].host.shape_prefix[1]
+    width = max(a.shape[2] for a in attended if a is not None)
+    rows = []
+    for a, (_, row), start, offset in zip(attended, sources, starts, offsets):
+        mine = None if a is None else a[row if a.shape[0] > 1 else 0]
+        if mine is None or int(mine[0, 0]) == OWN_TOP:  # not decoded yet: its first step continues its own
+            rows.append(torch.full((kv_heads, width), OWN_TOP, dtype=torch.long))  # query's top entries
+            continue
+        shifted = torch.where(mine >= start, mine - start + offset, -1)
+        rows.append(torch.nn.functional.pad(shifted, (0, width - mine.shape[1]), value=-1))
+    return torch.stack(rows)
+
+
+def _carried_resident(sources, starts, offsets) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each row's resident set (positions, stamps), on the new axis, restored at its next step (None when no source
+    carries one)."""
+    carried = [source.carry.resident for source, _ in sources]
+    if all(c is None for c in carried):
+        return None
+    kv_heads = sources[0][0].host.shape_prefix[1]
+    width = max(c[0].shape[2] for c in carried if c is not None)
+    positions, stamps = [], []
+    for c, (_, row), start, offset in zip(carried, sources, starts, offsets):
+        if c is None:  # not decoded yet: its first step starts from an empty set
+            positions.append(torch.full((kv_heads, width), -1, dtype=torch.long))
+            stamps.append(torch.zeros(kv_heads, width, dtype=torch.long))
+            continue
+        mine, when = c[0][row if c[0].shape[0] > 1 else 0], c[1][row if c[1].shape[0] > 1 else 0]
+        shifted = torch.where(mine >= start, mine - start + offset, -1)
+        positions.append(torch.nn.functional.pad(shifted, (0, width - mine.shape[1]), value=-1))
+        stamps.append(torch.nn.functional.pad(when, (0, width - when.shape[1]), value=0))
+    return torch.stack(positions), torch.stack(stamps)
 
 
 def _copy_positions(chunks: list[torch.Tensor], start: int, out: torch.Tensor) -> None:

@@ -2,15 +2,19 @@
 the sink, the local window and the resident set of selected entries kept across steps (docs/design.md §2).
 
 A layer gets what it needs when it is built (its budget, the shared `SequenceState`, the cache's `HostMemory`
-allowance), per request (`begin_request`: the schedule, the request's budget and window ring, the tokens to reserve)
-and per step as arguments (`begin_attention(..., rows)`); it never refers back to the cache that holds it. Its decode
-protocol is two calls around the attention kernel: `begin_attention` (apply this step's delta to the resident set,
-repair if asked, choose what to attend) and `end_attention` (release the delta buffer, submit the next step's
-selection with what this step hands it: a `Handoff`).
+allowance), per request (`begin_request`: the schedule, and the request's shape, `RequestShape`: its budgets, the
+resident set's capacity, the window ring, the tokens to reserve) and per step as arguments (`begin_attention(...,
+rows)`); it never refers back to the cache that holds it. What a request leaves for the next one over the same
+sequences is one `RequestCarry` (the query that selects the next first step, the positions last attended, the resident
+set's mirror, the softmax scale), which `regroup` hands to a new layer whole (`adopt`). Its decode protocol is two
+calls around the attention kernel: `begin_attention` (apply this step's delta to the resident set, repair if asked,
+choose what to attend) and `end_attention` (release the delta buffer, submit the next step's selection with what this
+step hands it: a `Handoff`).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -28,6 +32,7 @@ from ..transfer.delta import Delta
 from ..transfer.resident_set import ResidentSet
 from ..transfer.schedule import TransferSchedule
 from .repair import StepRows, rows_to_repair
+from .request import RequestCarry, RequestShape
 from .sequences import SequenceState
 
 
@@ -65,8 +70,8 @@ class DualLayer(CacheLayerMixin):
       - sink: `(B, H_kv, n_sink, D)`, the first `n_sink` real tokens of each sequence;
       - window ring: `(B, H_kv, window + 2, D)`, slot `p % (window + 2)` holds position p; the last `window`
         committed tokens plus the (up to two) tokens of the running step;
-      - resident set: `(B, H_kv, C, D)` entries kept across steps (`resident_set.ResidentSet`; C = `capacity`),
-        of which each step copies only those its selection wants and the set lacks (the delta);
+      - resident set: `(B, H_kv, C, D)` entries kept across steps (`resident_set.ResidentSet`; C = the request's
+        `shape.capacity`), of which each step copies only those its selection wants and the set lacks (the delta);
       - whatever the selector keeps there (`Selector.device_bytes`; only the Quest baseline's page metadata).
 
     The layer's `Selector` (`config.selector`) owns any host-side index; the layer extends it after each prefill
@@ -96,27 +101,11 @@ class DualLayer(CacheLayerMixin):
         self.host: HostKVStore | None = None
         self.selector: Selector | None = None  # built with the host store when the layer retrieves (budget > 0)
         self.schedule: TransferSchedule | None = None  # the running request's (`begin_request`)
-        self.request_budget = budget  # this request's budget: at most its tokens
-        self.fetch_budget = budget  # entries per KV head the selector chooses per step (`_fetch_for`)
-        self.next_budget = 0  # slots after them for the next positions of what the real token attended
-        self.capacity = budget  # resident entries per KV head (`_capacity_for`)
+        self.shape = RequestShape.idle(config, budget)  # the running (or last) request's sizes (`begin_request`)
+        self.carry = RequestCarry()  # what the last request left for the next one over these sequences
         self.resident: ResidentSet | None = None  # the running request's (`start_decoding`)
-        # `(positions, stamps)` host tensors of the resident set when a request ended mid-decode: restored by a request
-        # that goes on decoding these sequences without a new prompt (`regroup`: rows joining and leaving a batch), so
-        # it decodes as if never interrupted; a new prompt drops it (`end_prefill_chunk`)
-        self.next_resident: tuple[torch.Tensor, torch.Tensor] | None = None
-        # (B, H_kv, m) int64 host, -1 where none: the positions the last step attended when a request ended mid-decode
-        # (its first step's next positions: kept between requests with `next_query`, carried by `regroup`)
-        self.next_attended: torch.Tensor | None = None
-        self.ring_size = config.window + 2
-        self.reserve_tokens = 0  # tokens the host store holds at once when the request starts
         self.decoding = False
         self.unstored = 0  # tokens of the running step past the real one (the speculated token): never stored
-        # (B, H_q, D) float32 host: the query that selects the first decode step's entries of the next request: the
-        # prompt's last query after a prefill, the last speculated token's query when a request ends mid-decode (kept
-        # between requests so `regroup` can carry sequences into another cache without changing their selections)
-        self.next_query: torch.Tensor | None = None
-        self.scaling: float = 1.0
         self.sink_keys = self.sink_values = self.sink_pos = self.sink_valid = None
         self.ring_keys = self.ring_values = None
 
@@ -129,10 +118,10 @@ class DualLayer(CacheLayerMixin):
             batch, kv_heads, dim, key_states.dtype, self.config.host_chunk_tokens,
             page_lock=key_states.device.type == "cuda", on_alloc=self.host_memory.claim,
         )
-        self.host.reserve(self.reserve_tokens)
+        self.host.reserve(self.shape.reserve_tokens)
         if self.budget > 0:
             self.selector = SELECTORS[self.config.selector](
-                self.config, self.budget, self.host, self.device, claim_host=self.host_memory.claim
+                self.config, self.host, self.device, claim_host=self.host_memory.claim
             )
         self.is_initialized = True
 
@@ -147,13 +136,13 @@ class DualLayer(CacheLayerMixin):
         if not self.decoding:
             self.host.append(key_states, value_states)
             return key_states, value_states
-        start, q = self.get_seq_length(), key_states.shape[2]
-        slot = start % self.ring_size
-        if slot + q <= self.ring_size:
+        start, q, ring_size = self.get_seq_length(), key_states.shape[2], self.shape.ring_size
+        slot = start % ring_size
+        if slot + q <= ring_size:
             self.ring_keys[:, :, slot : slot + q] = key_states
             self.ring_values[:, :, slot : slot + q] = value_states
         else:
-            slots = torch.arange(start, start + q, device=self.device) % self.ring_size
+            slots = torch.arange(start, start + q, device=self.device) % ring_size
             self.ring_keys.index_copy_(2, slots, key_states)
             self.ring_values.index_copy_(2, slots, value_states)
         self.host.stage(key_states[:, :, :1], value_states[:, :, :1], self.schedule.streams)
@@ -206,42 +195,25 @@ class DualLayer(CacheLayerMixin):
         Args:
             schedule: the request's transfer schedule (retrieval jobs and copies).
             tokens: tokens per sequence the cache will hold at most during the request: no selection or window is
-                larger.
+                larger (`RequestShape.for_request`).
             reserve: tokens per sequence the host store should hold at once (a first request: all of `tokens`; a
                 continuing one: those stored plus the new prompt).
         """
         self.schedule = schedule
         self.unstored = 0
-        self.request_budget = min(self.budget, tokens)
-        self.fetch_budget = self._fetch_for(self.request_budget, tokens)
-        self.next_budget = self.request_budget if (
-            self.config.fetch_next and SELECTORS[self.config.selector].prefetched and self.fetch_budget < tokens
-            and self.request_budget > 0) else 0
-        self.capacity = self._capacity_for(tokens)
-        self.ring_size = min(self.config.window, tokens) + 2
-        self.reserve_tokens = reserve
+        self.shape = RequestShape.for_request(self.config, self.budget, tokens, reserve)
         self.decoding = False
         if self.host is not None:
             self.host.reserve(reserve)
 
-    def _fetch_for(self, budget: int, tokens: int) -> int:
-        """Entries per KV head a step's selection chooses for a request of `tokens` tokens: `fetch_factor × budget`
-        for a prefetched selector, else `budget`."""
-        if not SELECTORS[self.config.selector].prefetched:
-            return budget
-        return max(budget, min(self.config.fetch_factor * budget, tokens))
-
-    def _capacity_for(self, tokens: int) -> int:
-        """Resident entries per KV head for a request of `tokens` tokens: `resident_factor × budget` for a prefetched
-        selector (at least what one step wants), else exactly what one step selects (those selectors attend to their
-        choice alone); never more than the positions a step can ever select (`tokens` minus the window and the
-        sink), so a short request holds no slot that could never fill. Past that it follows the budget alone (a
-        request shorter than the budget lowers it), so a sequence moved into another request's cache (`regroup`)
-        keeps its set's size."""
-        if not SELECTORS[self.config.selector].prefetched:
-            return max(1, self.fetch_budget)
-        wanted = max(self.fetch_budget + self.next_budget, self.config.resident_factor * self.request_budget)
-        return max(1, min(wanted, tokens - self.config.window - self.config.n_sink))
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor, device: torch.device, carry: RequestCarry) -> None:
+        """Hold sequences moved here from other caches (`regroup`), between requests: their keys and values `(B,
+        H_kv, n, D)` (host tensors; the store reserves their `n` tokens at once) and what their last requests carry to
+        the next one, whole. The layer must be empty; `device` is where its attention runs."""
+        self.lazy_initialization(keys[:, :, :0].to(device), values[:, :, :0].to(device))
+        self.host.reserve(keys.shape[2])
+        self.host.append(keys, values)
+        self.carry = carry
 
     @property
     def exclusive(self) -> bool:
@@ -252,8 +224,9 @@ class DualLayer(CacheLayerMixin):
     def share(self, batch: int) -> None:
         """The stored sequence becomes a prefix `batch` sequences share (`HostKVStore.share`, `Selector.share`); each
         starts from the stored sequence's resident set."""
-        if self.next_resident is not None:
-            self.next_resident = tuple(t.expand(batch, *t.shape[1:]).clone() for t in self.next_resident)
+        if self.carry.resident is not None:
+            self.carry = replace(self.carry, resident=tuple(t.expand(batch, *t.shape[1:]).clone()
+                                                            for t in self.carry.resident))
         if self.host is not None:
             self.host.share(batch)
         if self.selector is not None:
@@ -261,18 +234,19 @@ class DualLayer(CacheLayerMixin):
 
     def end_request(self, pending: Handoff | None = None) -> None:
         """The request ended: release the device tiers (resident set included) and the request's schedule; the host
-        store, the selector's index and `next_query` stay for a request that continues these sequences.
+        store, the selector's index and the carry stay for a request that continues these sequences.
 
         Args:
             pending: the handoff of the selection submitted for the step that did not run (`TransferSchedule.pending`):
                 its query selects the next request's first step, its attended positions continue there.
         """
         if self.decoding and pending is not None:
-            self.next_query = pending.query.detach().to("cpu", torch.float32)
-            if pending.attended is not None:  # else no step ran: the first step's positions stand
-                self.next_attended = compact_positions(pending.attended, self.request_budget).to("cpu")
+            attended = self.carry.attended  # no step ran: the first step's positions stand
+            if pending.attended is not None:
+                attended = compact_positions(pending.attended, self.shape.budget).to("cpu")
+            self.carry = replace(self.carry, query=pending.query.detach().to("cpu", torch.float32), attended=attended)
         if self.decoding and self.resident is not None:
-            self.next_resident = self.resident.carried()
+            self.carry = replace(self.carry, resident=self.resident.carried())
         self.schedule = None
         self.decoding = False
         self.sink_keys = self.sink_values = self.sink_pos = self.sink_valid = None
@@ -304,13 +278,12 @@ class DualLayer(CacheLayerMixin):
         return keys, values
 
     def end_prefill_chunk(self, query: torch.Tensor, scaling: float) -> None:
-        """A prefill chunk was stored: keep its last position's query `(B, H_q, D)` (it selects the first decode
-        step) and extend the selector's host index over the prompt so far (after the chunk's keys have reached
-        host memory)."""
-        self.next_query = query.detach().to("cpu", torch.float32)
-        self.next_attended = None  # the prompt's last token chose: its own top entries continue (`Selector.job`)
-        self.next_resident = None  # a new prompt starts an empty resident set, as a fresh request does
-        self.scaling = scaling
+        """A prefill chunk was stored: carry its last position's query `(B, H_q, D)` (it selects the first decode
+        step) and the layer's softmax scale, and extend the selector's host index over the prompt so far (after the
+        chunk's keys have reached host memory). A new prompt drops what an earlier request carried: the prompt's last
+        token chose (its own top entries continue, `Selector.job`), and the resident set starts empty, as a fresh
+        request's does."""
+        self.carry = RequestCarry(query=query.detach().to("cpu", torch.float32), scaling=scaling)
         if self.selector is not None:
             self.host.wait_written()
             batch, length, start = self.host.shape_prefix[0], self.host.length, self.host.shared_length
@@ -330,10 +303,11 @@ class DualLayer(CacheLayerMixin):
         self.sink_pos = sink_pos[:, None, :].to(self.device)  # (B, 1, n_sink)
         self.sink_valid = sequences.sink_valid[:, None, :].to(self.device)
         # window ring: the last `window` positions (ring slot p % ring_size)
-        self.ring_keys = torch.zeros(batch, kv_heads, self.ring_size, dim, dtype=self.dtype, device=self.device)
+        ring_size = self.shape.ring_size
+        self.ring_keys = torch.zeros(batch, kv_heads, ring_size, dim, dtype=self.dtype, device=self.device)
         self.ring_values = torch.zeros_like(self.ring_keys)
         first_pos = max(0, n - self.config.window)
-        slots = torch.arange(first_pos, n, device=self.device) % self.ring_size
+        slots = torch.arange(first_pos, n, device=self.device) % ring_size
         keys = torch.empty(batch, kv_heads, n - first_pos, dim, dtype=self.dtype, device=self.device)
         values = torch.empty_like(keys)
         self.host.read_into(first_pos, n, keys, values)
@@ -341,27 +315,30 @@ class DualLayer(CacheLayerMixin):
         self.ring_values.index_copy_(2, slots, values)
         self.decoding = True
         if self.selector is not None:
-            self.resident = ResidentSet(batch, kv_heads, self.capacity, dim, self.dtype, self.device)
+            self.resident = ResidentSet(batch, kv_heads, self.shape.capacity, dim, self.dtype, self.device)
             self.resident.allocate()
-            carried, self.next_resident = self.next_resident, None
+            carried = self.carry.resident
+            self.carry = replace(self.carry, resident=None)
             if carried is not None and carried[0].shape[:2] == (batch, kv_heads) and not self.exclusive:
                 end = max(0, n - self.config.window)
                 self.resident.restore(*carried, self.sequences.candidates_below(end), self.host)
             if self.selector.prefetched:
-                self.submit_selection(Handoff(self.next_query, self.next_attended), committed=n)
+                self.submit_selection(Handoff(self.carry.query, self.carry.attended), committed=n,
+                                      scaling=self.carry.scaling)
 
-    def _retrieval_job(self, query: torch.Tensor, committed: int, rows: list[int] | None = None,
+    def _retrieval_job(self, query: torch.Tensor, committed: int, scaling: float, rows: list[int] | None = None,
                        exact: frozenset[int] = frozenset(), use: str = "prefetch", follow=None):
         """The retrieval job for `query` `(B, H_q, D)` (any device: copied to the host on the copy stream, the job
-        waits for it) among the candidates below `committed - window`: the selector's choice (`Selector.job`;
-        `rows` chooses for those sequences only, a repair, `exact` of them by exact scoring; `follow` the host copy
-        of the positions the real token attended), the resident set's plan, and the gather of the delta's K/V into
-        the staging `Delta` it is given. Returns the job; it returns the `resident_set.Plan`."""
+        waits for it) among the candidates below `committed - window`, scored with the softmax scale `scaling`: the
+        selector's choice of the request's `fetch_budget` (`Selector.job`; `rows` chooses for those sequences only, a
+        repair, `exact` of them by exact scoring; `follow` the host copy of the positions the real token attended),
+        the resident set's plan, and the gather of the delta's K/V into the staging `Delta` it is given. Returns the
+        job; it returns the `resident_set.Plan`."""
         end = max(0, committed - self.config.window)
         host_query, ready = self.schedule.query_to_host(self.layer_idx, query, use)
         candidates = Candidates(self.sequences.candidates_below(end), self.sequences.first_real)
-        choose = self.selector.job(host_query, ready, candidates, self.scaling, self.fetch_budget,
-                                   self.fetch_budget + self.next_budget, rows, exact, follow)
+        choose = self.selector.job(host_query, ready, candidates, scaling, self.shape.fetch_budget, self.shape.width,
+                                   rows, exact, follow)
         resident, store, exclusive = self.resident, self.host, self.exclusive
 
         def job(staging: Delta):
@@ -381,10 +358,11 @@ class DualLayer(CacheLayerMixin):
         """Rows of a delta's staging: the most one step can copy per KV head — everything wanted, but never more than
         the set's slots (a plan never wants more distinct entries than the capacity), and exactly the set's slots
         when it holds each step's choice alone (new entries and emptied slots)."""
-        per_head = self.capacity if self.exclusive else min(self.fetch_budget + self.next_budget, self.capacity)
+        shape = self.shape
+        per_head = shape.capacity if self.exclusive else min(shape.width, shape.capacity)
         return batch * self.host.shape_prefix[1] * per_head
 
-    def submit_selection(self, handoff: Handoff, committed: int) -> None:
+    def submit_selection(self, handoff: Handoff, committed: int, scaling: float) -> None:
         """Schedule the selection for the step whose committed length is `committed` tokens.
 
         Args:
@@ -394,16 +372,17 @@ class DualLayer(CacheLayerMixin):
                 query's own top entries).
             committed: real tokens in the cache when that step starts; its window is `[committed - window,
                 committed)` and candidates lie in `[0, committed - window)` minus sink and pads.
+            scaling: the layer's softmax scale.
         """
         if self.selector is None:
             return
         batch = self.host.shape_prefix[0]
         follow = None
-        if self.next_budget and handoff.attended is not None:
+        if self.shape.next_budget and handoff.attended is not None:
             attended = handoff.attended
             follow = (attended, None) if attended.device.type == "cpu" and self.device.type != "cpu" else \
                 self.schedule.query_to_host(self.layer_idx, attended, "attended")
-        self.schedule.submit(self.layer_idx, self._retrieval_job(handoff.query, committed, follow=follow),
+        self.schedule.submit(self.layer_idx, self._retrieval_job(handoff.query, committed, scaling, follow=follow),
                              self._staging_rows(batch), self.host.head_dim, self.host.dtype, chooser=handoff)
 
     def repair_selection(self, query: torch.Tensor, committed: int, rows: list[int], batch: int,
@@ -422,7 +401,7 @@ class DualLayer(CacheLayerMixin):
             drifted: those of `rows` repaired for drift only.
         """
         subset = None if len(rows) == batch else list(rows)
-        job = self._retrieval_job(query, committed, subset, frozenset(drifted), use="repair")
+        job = self._retrieval_job(query, committed, self.carry.scaling, subset, frozenset(drifted), use="repair")
         delta = self.schedule.repair(self.layer_idx, job, list(rows), self._staging_rows(batch), self.host.head_dim,
                                      self.host.dtype, drifted=bool(drifted))
         self.resident.apply(*delta.fields())
@@ -453,28 +432,28 @@ class DualLayer(CacheLayerMixin):
         selector = self.selector
         if selector is not None:
             if not selector.prefetched:  # chosen now, with the real token's query
-                self.scaling = scaling
-                self.submit_selection(Handoff(query[:, :, 0]), committed=n - q)
+                self.submit_selection(Handoff(query[:, :, 0]), committed=n - q, scaling=scaling)
             delta, handoff = self.schedule.acquire(self.layer_idx)
             self.resident.apply(*delta.fields())
-            if selector.repairable and not selector.selects_everything(n - q - self.config.window):
+            shape = self.shape
+            if selector.repairable and not selector.selects_everything(n - q - self.config.window,
+                                                                       shape.fetch_budget):
                 repair, drift_only = rows_to_repair(query[:, :, 0], handoff.query, rows, self.config.repair_drift,
                                                     self.host.shape_prefix[1])
                 if repair:
                     self.repair_selection(query[:, :, 0], n - q, repair, rows.batch, drift_only)
             resident = self.resident.segment()
             valid = resident.valid
-            if selector.prefetched and (self.next_budget or self.config.resident_attention == "rerank") and \
-                    self.capacity > self.request_budget:
-                slots, chosen = top_entries(query[:, :, 0], resident.keys, valid, self.request_budget, scaling,
-                                            softcap)
+            if selector.prefetched and (shape.next_budget or self.config.resident_attention == "rerank") and \
+                    shape.capacity > shape.budget:
+                slots, chosen = top_entries(query[:, :, 0], resident.keys, valid, shape.budget, scaling, softcap)
                 attended = torch.where(chosen, torch.gather(resident.positions, 2, slots), -1)
                 if self.config.resident_attention == "rerank":
                     valid = torch.zeros_like(valid).scatter_(2, slots, chosen)
-            elif self.next_budget:
+            elif shape.next_budget:
                 attended = torch.where(valid, resident.positions, -1)
             segments.append(resident._replace(valid=valid))
-        ring_pos, ring_valid = self.sequences.ring_view(n, q, self.config.window, self.ring_size, self.device)
+        ring_pos, ring_valid = self.sequences.ring_view(n, q, self.config.window, self.shape.ring_size, self.device)
         segments.append(KVSegment(self.ring_keys, self.ring_values, ring_pos, ring_valid))
         return StepAttention(segments, attended)
 
@@ -487,13 +466,14 @@ class DualLayer(CacheLayerMixin):
         self.schedule.release(self.layer_idx)
         if self.selector.prefetched:
             n = self.get_seq_length()
-            self.submit_selection(Handoff(query[:, :, -1], step.attended), committed=n - query.shape[2] + 1)
+            self.submit_selection(Handoff(query[:, :, -1], step.attended), committed=n - query.shape[2] + 1,
+                                  scaling=self.carry.scaling)
 
     # --- lifecycle (its bytes: `cache.stats.layer_device_bytes`, `layer_host_bytes`) -----------------------
     def free(self) -> None:
         """Release host chunks, the selector's state and device tiers (the token count stays readable)."""
         self.end_request()
-        self.next_query = self.next_attended = self.next_resident = None
+        self.carry = RequestCarry(scaling=self.carry.scaling)
         if self.host is not None:
             self.host.free()
         if self.selector is not None:

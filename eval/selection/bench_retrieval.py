@@ -110,7 +110,7 @@ def measure(context: int, batch: int, selector_names: list[str], pool: int, args
     selectors, build = {}, {}
     for name in selector_names:
         config = DualDecoderConfig(selector="exact" if name == TORCH_EXACT else name, **args.options)
-        selectors[name] = [SELECTORS[config.selector](config, args.budget, store, "cpu") for store in stores]
+        selectors[name] = [SELECTORS[config.selector](config, store, "cpu") for store in stores]
         start = time.perf_counter()
         for selector in selectors[name]:
             selector.extend(context, torch.zeros(stored, dtype=torch.long))
@@ -134,7 +134,7 @@ def measure(context: int, batch: int, selector_names: list[str], pool: int, args
             indices, _ = torch_select(query, keys, candidates.mask, args.budget, scaling)
             stores[layer].gather(indices, out=staging[layer])
         else:  # selection and the gather of the chosen K/V (one engine call for the engine's selectors)
-            selectors[name][layer].select_into(query, candidates, scaling, staging[layer])
+            selectors[name][layer].select_into(query, candidates, scaling, args.budget, staging[layer])
 
     def job(name: str, layer: int, candidates: Candidates) -> float:
         """One layer's job; returns its host CPU seconds (`profiling.cpu_seconds`)."""
@@ -164,7 +164,7 @@ def measure(context: int, batch: int, selector_names: list[str], pool: int, args
     for name in selector_names:
         scale = args.layers / len(stores)
         per_step = statistics.median(times[name]) * scale
-        scanned, gathered = selectors[name][0].key_bytes_read(context - args.window)
+        scanned, gathered = selectors[name][0].key_bytes_read(context - args.window, args.budget)
         read = stored * scanned + batch * gathered  # a shared prefix is scanned once for the whole batch
         index_bytes = selectors[name][0].host_bytes
         effective = read / (per_step / args.layers) / 1e9

@@ -41,22 +41,22 @@ PART_PHASES = {"scan": ("scan_setup", "scan_sample", "scan_main"), "shortlist": 
                "exact_reads": ("exact_reads",), "exact_topk": ("exact_topk",), "gather": ("gather",)}
 
 
-def part_bytes(selector, context: int, batch: int, window: int) -> dict[str, int]:
-    """Bytes each part of one call reads for `batch` sequences: the chosen quads' codes and every parameter of each
-    complete group (scan), the shortlisted and uncovered keys whole (exact reads; every key for `exact`), the chosen
-    keys and values (gather). The scan's and exact reads' sum is `key_bytes_read`."""
+def part_bytes(selector, context: int, batch: int, window: int, budget: int) -> dict[str, int]:
+    """Bytes each part of one call choosing `budget` entries reads for `batch` sequences: the chosen quads' codes and
+    every parameter of each complete group (scan), the shortlisted and uncovered keys whole (exact reads; every key for
+    `exact`), the chosen keys and values (gather). The scan's and exact reads' sum is `key_bytes_read`."""
     store = selector.store
     kv_heads, dim, element = store.shape_prefix[1], store.head_dim, store.element_size
     end = context - window
     row = kv_heads * dim * element
     scan, exact_rows = 0, end
     groups = end // GROUP
-    if selector.name == "lowbit" and selector.shortlisted < groups * GROUP:
+    if selector.name == "lowbit" and selector.shortlist_for(budget) < groups * GROUP:
         scan = kv_heads * groups * (selector.quads * 64 + selector.dim_q * 4)
-        exact_rows = selector.shortlisted + end - groups * GROUP
-    assert scan + exact_rows * row == sum(selector.key_bytes_read(end))
+        exact_rows = selector.shortlist_for(budget) + end - groups * GROUP
+    assert scan + exact_rows * row == sum(selector.key_bytes_read(end, budget))
     return {"scan": batch * scan, "shortlist": 0, "exact_reads": batch * exact_rows * row, "exact_topk": 0,
-            "gather": batch * 2 * selector.budget * row}
+            "gather": batch * 2 * budget * row}
 
 
 def measure(context: int, batch: int, threads: int, args: argparse.Namespace) -> list[dict]:
@@ -77,7 +77,7 @@ def measure(context: int, batch: int, threads: int, args: argparse.Namespace) ->
     rows = []
     try:
         for name in args.selectors:
-            selectors = [SELECTORS[name](DualDecoderConfig(selector=name), args.budget, store, "cpu")
+            selectors = [SELECTORS[name](DualDecoderConfig(selector=name), store, "cpu")
                          for store in stores]
             for selector in selectors:
                 selector.extend(context, first_real)
@@ -88,7 +88,7 @@ def measure(context: int, batch: int, threads: int, args: argparse.Namespace) ->
                     flush.add_(1.0)
                     with profiling.recording() as recorded:
                         start = time.perf_counter_ns()
-                        selector.select_into(query, candidates, scaling, staging)
+                        selector.select_into(query, candidates, scaling, args.budget, staging)
                         wall = time.perf_counter_ns() - start
                     if round_:
                         calls.append(recorded[0])
@@ -110,7 +110,7 @@ def _row(name, selector, context, batch, threads, layers, calls, walls, args) ->
     engine_ms = statistics.median(call.wall_ns for call in calls) / 1e6
     python_ms = statistics.median(w - call.wall_ns for w, call in zip(walls, calls)) / 1e6
     workers = calls[0].workers
-    nbytes = part_bytes(selector, context, batch, args.window)
+    nbytes = part_bytes(selector, context, batch, args.window, args.budget)
     parts = {}
     for part, phases in PART_PHASES.items():
         thread_ms = sum(phase_ms[p] for p in phases)

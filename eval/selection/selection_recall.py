@@ -113,7 +113,7 @@ def layer_recalls(queries: torch.Tensor, keys: torch.Tensor, scaling: float, bud
     out = {}
     for index, (name, options) in enumerate(configs):
         config = DualDecoderConfig(selector=name, **options)
-        selector = SELECTORS[name](config, budget, store, "cpu")
+        selector = SELECTORS[name](config, store, "cpu")
         start = time.thread_time()
         selector.extend(n, first_real)
         build = time.thread_time() - start
@@ -125,11 +125,11 @@ def layer_recalls(queries: torch.Tensor, keys: torch.Tensor, scaling: float, bud
             mass = group_attention_mass(query, store.key_chunks(hi), candidates.mask, scaling)  # (1, H_kv, hi)
             best = torch.topk(mass, min(budget, hi), dim=-1).values.sum(-1)
             start = time.thread_time()
-            indices, valid = selector.select(query, candidates, scaling)
+            indices, valid = selector.select(query, candidates, scaling, budget)
             select_time += time.thread_time() - start
             recalls.append(((torch.gather(mass, 2, indices) * valid).sum(-1) / best)[0])
             shares.append((best / mass.sum(-1))[0])
-            read += sum(selector.key_bytes_read(hi))
+            read += sum(selector.key_bytes_read(hi, budget))
         out[index] = {"recall": torch.cat(recalls), "share": torch.cat(shares), "build_s": build,
                       "select_s": select_time / count,
                       "index_bytes": selector.host_bytes, "kv_bytes": store.nbytes, "read": read / count,

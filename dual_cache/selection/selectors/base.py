@@ -1,10 +1,12 @@
 """The interface every selector implements (what it is asked for and what it returns, `Candidates` and `Wanted`,
 live in `selection/candidates.py`, shared with the layer's resident set).
 
-A selector decides which `budget` middle entries per (sequence, KV head) one full-attention layer's decode step
-attends to (docs/design.md §2, step 3). It owns whatever it keeps besides the layer's host store — a host-side index,
-page metadata on the device — builds it during prefill, extends it as tokens are committed, and answers
-`select(query, candidates)` on the host. It knows nothing of transformers, caches or schedules.
+A selector decides which middle entries per (sequence, KV head) one full-attention layer's decode step attends to
+(docs/design.md §2, step 3). It owns whatever it keeps besides the layer's host store — a host-side index, page
+metadata on the device — builds it during prefill, extends it as tokens are committed, and answers
+`select(query, candidates, scaling, budget)` on the host. It holds no budget of its own: every call that chooses is
+given the number of entries its caller wants (the layer: the request's `fetch_budget`). It knows nothing of
+transformers, caches or schedules.
 """
 
 from __future__ import annotations
@@ -36,8 +38,6 @@ class Selector:
 
     Args:
         config: the `DualDecoderConfig` (selector options are read from it).
-        budget: entries per (sequence, KV head) this layer selects (tokens); > 0. The layer may lower it for a
-            request shorter than the budget (the `budget` attribute).
         store: the layer's host store (every key and value of every sequence).
         device: where the layer's attention runs (a selector may keep state there, counted in `device_bytes`).
         claim_host: called with the byte size of each host allocation the selector is about to make; raises
@@ -48,10 +48,9 @@ class Selector:
     prefetched: ClassVar[bool] = True
     shares_prefix: ClassVar[bool] = True  # serves sequences that continue one shared prefix (`share`)
 
-    def __init__(self, config: Any, budget: int, store: HostKVStore, device: torch.device,
+    def __init__(self, config: Any, store: HostKVStore, device: torch.device,
                  claim_host: HostClaim | None = None) -> None:
         self.config = config
-        self.budget = budget
         self.store = store
         self.device = torch.device(device)
         self.claim_host = claim_host or (lambda nbytes: None)
@@ -70,17 +69,17 @@ class Selector:
     def repairable(self) -> bool:
         return self.prefetched
 
-    def key_bytes_read(self, end: int) -> tuple[int, int]:
-        """Host bytes one sequence's selection reads at `end` selectable positions (every KV head), as
-        `(scanned, gathered)`: `scanned` from data covering every position (keys, key copies, summaries), which a
-        batch continuing one shared prefix reads once for all its queries; `gathered` from rows picked for that
-        sequence alone. Exact scoring reads every key."""
+    def key_bytes_read(self, end: int, budget: int) -> tuple[int, int]:
+        """Host bytes one sequence's selection of `budget` entries reads at `end` selectable positions (every KV
+        head), as `(scanned, gathered)`: `scanned` from data covering every position (keys, key copies, summaries),
+        which a batch continuing one shared prefix reads once for all its queries; `gathered` from rows picked for
+        that sequence alone. Exact scoring reads every key."""
         return end * self.store.shape_prefix[1] * self.store.head_dim * self.store.element_size, 0
 
-    def selects_everything(self, candidate_count: int) -> bool:
-        """Whether any query selects every candidate when there are `candidate_count` of them (then a repair
-        cannot change the selection and is skipped)."""
-        return candidate_count <= self.budget
+    def selects_everything(self, candidate_count: int, budget: int) -> bool:
+        """Whether any query's selection of `budget` entries takes every candidate when there are `candidate_count`
+        of them (then a repair with that budget cannot change the selection and is skipped)."""
+        return candidate_count <= budget
 
     def extend(self, length: int, first_real: torch.Tensor, sequences: Sequence[int] | None = None) -> None:
         """Index the committed positions `[0, length)` of some sequences (called per prefill chunk, and by each decode
@@ -113,7 +112,7 @@ class Selector:
         sequence against the host-memory limit."""
 
     def select(
-        self, query: torch.Tensor, candidates: Candidates, scaling: float, budget: int | None = None
+        self, query: torch.Tensor, candidates: Candidates, scaling: float, budget: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Choose `budget` entries per (sequence, KV head) that `query` attends to most.
 
@@ -122,7 +121,7 @@ class Selector:
                 sequence of `candidates` (`H_q` a multiple of the store's `H_kv`).
             candidates: the selectable positions of those sequences (`end` ≥ 1).
             scaling: the layer's softmax scale (usually `D ** -0.5`).
-            budget: entries per (sequence, KV head), > 0; None: the selector's own (`budget`, the layer's).
+            budget: entries per (sequence, KV head), > 0: the caller's (the layer's for the running request).
 
         Returns:
             `(indices, valid)`, both `(b, H_kv, budget)`: int64 positions in `[0, end)`, the valid ones ascending,
@@ -130,8 +129,8 @@ class Selector:
         """
         raise NotImplementedError
 
-    def select_into(self, query: torch.Tensor, candidates: Candidates, scaling: float,
-                    out: tuple[torch.Tensor, torch.Tensor], budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def select_into(self, query: torch.Tensor, candidates: Candidates, scaling: float, budget: int,
+                    out: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """`select`, then the chosen keys and values written into `out` (`(b, H_kv, budget, D)` contiguous host
         tensors of the store's dtype; an invalid slot gets the rows of its index, as `HostKVStore.gather`).
         Selectors scored by the native engine gather in the same call."""
@@ -229,7 +228,7 @@ class Selector:
         out[own, :, :count] = torch.where(valid, positions, -1)
         return out
 
-    def select_exact(self, query: torch.Tensor, candidates: Candidates, scaling: float, budget: int | None = None,
+    def select_exact(self, query: torch.Tensor, candidates: Candidates, scaling: float, budget: int,
                      out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """What `selector="exact"` chooses: top-`budget` by the GQA group's attention mass over every candidate key
         (`dual_cache.engine.select` without an index), whatever this selector's policy; arguments and result as
@@ -238,9 +237,8 @@ class Selector:
         self.store.flat_rows(candidates.ids, query.shape[0])  # ValueError for rows outside the batch
         keys = self.store.key_chunks(candidates.end)
         values = None if out is None else self.store.value_chunks(candidates.end)
-        return engine.select(query.float().contiguous(), candidates.mask, keys,
-                             self.budget if budget is None else budget, scaling, values=values, out=out,
-                             rows=candidates.ids)
+        return engine.select(query.float().contiguous(), candidates.mask, keys, budget, scaling, values=values,
+                             out=out, rows=candidates.ids)
 
     @property
     def host_bytes(self) -> int:

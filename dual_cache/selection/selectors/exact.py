@@ -18,9 +18,9 @@ class ExactSelector(Selector):
     name = "exact"
 
     def select(self, query: torch.Tensor, candidates: Candidates, scaling: float,
-               budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               budget: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.select_exact(query, candidates, scaling, budget)
 
-    def select_into(self, query: torch.Tensor, candidates: Candidates, scaling: float,
-                    out: tuple[torch.Tensor, torch.Tensor], budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def select_into(self, query: torch.Tensor, candidates: Candidates, scaling: float, budget: int,
+                    out: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.select_exact(query, candidates, scaling, budget, out)

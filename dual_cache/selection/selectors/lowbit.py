@@ -85,11 +85,6 @@ class LowBitSelector(Selector):
         groups = tokens // GROUP + 1
         return groups * kv_heads * padded_dim(head_dim) * (16 + 4)
 
-    @property
-    def shortlisted(self) -> int:
-        """Positions the scan shortlists per KV head at the layer's budget (`shortlist_for`)."""
-        return self.shortlist_for(self.budget)
-
     def shortlist_for(self, budget: int) -> int:
         """Positions the scan shortlists per KV head for a selection of `budget`: `lowbit_factor × budget`."""
         return self.config.lowbit_factor * budget
@@ -232,23 +227,23 @@ class LowBitSelector(Selector):
         self.n_groups = self.n_groups[:1] * batch
         self._changed()
 
-    def key_bytes_read(self, end: int) -> tuple[int, int]:
+    def key_bytes_read(self, end: int, budget: int) -> tuple[int, int]:
         """The codes and parameters of every complete group, then the shortlisted and uncovered keys whole; all of
         it read per sequence (each sequence scans its own copy of the index, also after `share`)."""
         kv_heads, dim, element = self.store.shape_prefix[1], self.store.head_dim, self.store.element_size
-        groups = end // GROUP
-        if self.shortlisted >= groups * GROUP:
-            return super().key_bytes_read(end)
+        groups, shortlisted = end // GROUP, self.shortlist_for(budget)
+        if shortlisted >= groups * GROUP:
+            return super().key_bytes_read(end, budget)
         codes = kv_heads * groups * (self.quads * 64 + self.dim_q * 4)  # chosen quads' codes; every parameter
-        return 0, codes + kv_heads * (self.shortlisted + end - groups * GROUP) * dim * element
+        return 0, codes + kv_heads * (shortlisted + end - groups * GROUP) * dim * element
 
     def select(self, query: torch.Tensor, candidates: Candidates, scaling: float,
-               budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._select(query, candidates, scaling, None, self.budget if budget is None else budget)
+               budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._select(query, candidates, scaling, None, budget)
 
-    def select_into(self, query: torch.Tensor, candidates: Candidates, scaling: float,
-                    out: tuple[torch.Tensor, torch.Tensor], budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._select(query, candidates, scaling, out, self.budget if budget is None else budget)
+    def select_into(self, query: torch.Tensor, candidates: Candidates, scaling: float, budget: int,
+                    out: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._select(query, candidates, scaling, out, budget)
 
     def _select(self, query, candidates, scaling, out, budget):
         rows = candidates.ids

@@ -32,12 +32,12 @@ class QuestSelector(Selector):
     def check_config(cls, config) -> None:
         require_block_multiples(config, cls.name)
 
-    def key_bytes_read(self, end: int) -> tuple[int, int]:
+    def key_bytes_read(self, end: int, budget: int) -> tuple[int, int]:
         """The page bounds only (min and max key per page; kept on the device)."""
         pages = -(-end // self.config.block_size)
         return pages * 2 * self.store.shape_prefix[1] * self.store.head_dim * self.store.element_size, 0
 
-    def selects_everything(self, candidate_count: int) -> bool:
+    def selects_everything(self, candidate_count: int, budget: int) -> bool:
         return False
 
     def extend(self, length: int, first_real: torch.Tensor, sequences=None) -> None:
@@ -65,12 +65,12 @@ class QuestSelector(Selector):
         self.indexed = length
 
     def select(self, query: torch.Tensor, candidates: Candidates, scaling: float,
-               budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               budget: int) -> tuple[torch.Tensor, torch.Tensor]:
         pages = -(-candidates.end // self.config.block_size)
         rows = candidates.ids
         indices, valid = select_pages(
             query.to(self.device), self.page_min[rows, :, :pages], self.page_max[rows, :, :pages],
-            candidates.mask.to(self.device), self.budget if budget is None else budget, self.config.block_size,
+            candidates.mask.to(self.device), budget, self.config.block_size,
         )
         return indices.cpu(), valid.cpu()
 
