@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from dual_cache import DualDecoderConfig
 from dual_cache.eval.card import kvpress_runner
 from dual_cache.eval.card.kvpress_merge import export_prompts, merge_kvpress
 from dual_cache.eval.quality import fidelity, harness
@@ -105,6 +106,8 @@ def test_kvpress_export_and_merge_on_a_fake_runner_file(items, tmp_path):
     export_prompts(gen, prompts, "tiny")
     exported = harness.read_rows(prompts)
     assert exported[0]["input_ids"] == gen[0].input_ids
+    # the runner cannot import dual_cache: the file carries the dual cache's sink and window
+    assert (exported[0]["n_sink"], exported[0]["window"]) == (DualDecoderConfig.n_sink, DualDecoderConfig.window)
     fake = str(tmp_path / "kvpress.jsonl")
     ruler_ref = gen[0].references[0]
     with open(fake, "w", encoding="utf-8") as handle:
@@ -126,8 +129,8 @@ def test_kvpress_export_and_merge_on_a_fake_runner_file(items, tmp_path):
                                  "budget": 1, "prediction": ""}) + "\n")
     with pytest.raises(ValueError, match="no exported prompt"):
         merge_kvpress(prompts, fake, out)
-    assert kvpress_runner.compression_ratio(1000, 256) == pytest.approx(1 - 324 / 1000)
-    assert kvpress_runner.compression_ratio(100, 256) == 0.0
+    assert kvpress_runner.compression_ratio(1000, 256, 4, 64) == pytest.approx(1 - 324 / 1000)
+    assert kvpress_runner.compression_ratio(100, 256, 4, 64) == 0.0
 
 
 def test_cli_rejects_bad_input_before_loading(capsys):

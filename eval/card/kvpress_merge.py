@@ -10,12 +10,15 @@ from __future__ import annotations
 import json
 import os
 
+from ...config import DualDecoderConfig
 from ..quality.harness import RowWriter, read_rows, row_key, score_prediction
 
 
 def export_prompts(items, path: str, model_name: str) -> None:
     """Write one JSON line per `harness.GenerationItem`: `dataset`, `task`, `length`, `sample`, `input_ids`,
-    `references`, `max_new_tokens`, `generate_kwargs`, `metric`, `scoring`, `model`."""
+    `references`, `max_new_tokens`, `generate_kwargs`, `metric`, `scoring`, `model`, and the dual cache's `n_sink`
+    and `window` (`DualDecoderConfig`'s: the runner, which cannot import dual_cache, keeps that many entries besides
+    each budget)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     with open(path, "w", encoding="utf-8") as handle:
@@ -25,6 +28,7 @@ def export_prompts(items, path: str, model_name: str) -> None:
                 "input_ids": item.input_ids, "references": item.references, "max_new_tokens": item.max_new_tokens,
                 "generate_kwargs": item.generate_kwargs,
                 "metric": item.metric, "scoring": item.scoring, "model": model_name,
+                "n_sink": DualDecoderConfig.n_sink, "window": DualDecoderConfig.window,
             }, ensure_ascii=False) + "\n")
 
 

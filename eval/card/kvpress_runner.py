@@ -12,9 +12,11 @@ into the main results happen back in the main environment with `dual-decoder eva
 
 Budget mapping: a press keeps `n_sink + window + budget` entries per KV head of the prompt — the entries the
 dual cache makes resident per step — i.e. `compression_ratio = 1 - (n_sink + window + budget) / prompt_tokens`
-(0 when the prompt is shorter). The whole prompt, question included, is compressed at prefill through
-`with press(model): model.generate(...)` (kvpress's own pipeline can keep the question uncompressed; including it
-favours question-aware presses such as SnapKV, so these rows are an optimistic bound for eviction).
+(0 when the prompt is shorter). `n_sink` and `window` are the dual cache's, as the prompts file carries them
+(`DualDecoderConfig`'s defaults, written by `export-prompts`); `--n-sink` / `--window` override them. The whole
+prompt, question included, is compressed at prefill through `with press(model): model.generate(...)` (kvpress's own
+pipeline can keep the question uncompressed; including it favours question-aware presses such as SnapKV, so these
+rows are an optimistic bound for eviction).
 Output rows: `dataset`, `task`, `length`, `sample`, `method` (`kvpress-<press>`), `budget`, `prediction` (decoded
 with the model's tokenizer, special tokens dropped, not stripped, as the main harness),
 `device_bytes` (K/V bytes of the compressed cache after generation), `compression_ratio`, `new_tokens`, `seconds`.
@@ -31,7 +33,7 @@ import time
 PRESSES = {"snapkv": "SnapKVPress", "streaming": "StreamingLLMPress", "expected_attention": "ExpectedAttentionPress"}
 
 
-def compression_ratio(prompt_tokens: int, budget: int, n_sink: int = 4, window: int = 64) -> float:
+def compression_ratio(prompt_tokens: int, budget: int, n_sink: int, window: int) -> float:
     """Fraction of the prompt's entries a press removes so that `n_sink + window + budget` remain (0 to < 1)."""
     keep = n_sink + window + budget
     return 0.0 if prompt_tokens <= keep else 1.0 - keep / prompt_tokens
@@ -69,8 +71,10 @@ def main(argv=None) -> int:
     parser.add_argument("--gguf-file", default=None, help="GGUF file inside --model, for GGUF checkpoints")
     parser.add_argument("--presses", nargs="+", default=list(PRESSES), choices=list(PRESSES))
     parser.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256, 512])
-    parser.add_argument("--n-sink", type=int, default=4)
-    parser.add_argument("--window", type=int, default=64)
+    parser.add_argument("--n-sink", type=int, default=None,
+                        help="sink entries a press keeps besides the budget (default: the prompts file's)")
+    parser.add_argument("--window", type=int, default=None,
+                        help="window entries a press keeps besides the budget (default: the prompts file's)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -79,14 +83,22 @@ def main(argv=None) -> int:
     if not os.path.isfile(args.prompts):
         parser.error(f"{args.prompts} does not exist")
 
+    with open(args.prompts, encoding="utf-8") as handle:
+        prompts = [json.loads(line) for line in handle if line.strip()]
+    for prompt in prompts:  # the dual cache's sink and window, as exported, unless given here
+        for name, given in (("n_sink", args.n_sink), ("window", args.window)):
+            if given is not None:
+                prompt[name] = given
+            elif name not in prompt:
+                parser.error(f"{args.prompts} has no `{name}` (written before export-prompts recorded the dual "
+                             f"cache's sink and window): give --n-sink and --window")
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {"gguf_file": args.gguf_file} if args.gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(args.model, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, **kwargs).to(args.device).eval()
-    with open(args.prompts, encoding="utf-8") as handle:
-        prompts = [json.loads(line) for line in handle if line.strip()]
     done = set()
     if os.path.exists(args.out):
         with open(args.out, encoding="utf-8") as handle:
@@ -103,8 +115,8 @@ def main(argv=None) -> int:
                     key = (prompt["dataset"], prompt["task"], prompt["length"], prompt["sample"], method, budget)
                     if key in done:
                         continue
-                    ratio = compression_ratio(ids.shape[1], budget, args.n_sink, args.window)
-                    press = make_press(name, ratio, args.n_sink)
+                    ratio = compression_ratio(ids.shape[1], budget, prompt["n_sink"], prompt["window"])
+                    press = make_press(name, ratio, prompt["n_sink"])
                     start = time.perf_counter()
                     with torch.inference_mode(), press(model):
                         result = model.generate(

@@ -16,6 +16,7 @@ import sys
 import time
 
 from ...cli.help_format import DefaultsHelpFormatter
+from ...config import DualDecoderConfig
 
 SUITES = ("ruler", "longbench", "fidelity")
 
@@ -75,7 +76,8 @@ def add_parser(subparsers) -> None:
     run.add_argument("--methods", nargs="+", default=["standard"],
                      help=f"'standard' (all), or specs such as dense dual@128 oracle; names: {list(METHOD_NAMES)}")
     run.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256, 512, 1024], help="dual budgets (standard)")
-    run.add_argument("--reference-budget", type=int, default=256, help="budget of dual-none / oracle / quest")
+    run.add_argument("--reference-budget", type=int, default=DualDecoderConfig.budget,
+                     help="budget of dual-none / oracle / quest")
     run.add_argument("--out", default="eval-results/results.jsonl",
                      help="JSONL the rows are appended to (eval-results/ is git-ignored; the project's own record is "
                           "results/eval/, written with an explicit --out)")

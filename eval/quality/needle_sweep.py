@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--tokens", type=int, default=4096, help="prompt length (tokens)")
     parser.add_argument("--seeds", default="0-15", help="e.g. 0-15 or 0,3,7")
-    parser.add_argument("--budget", type=int, default=256, help="dual budget (tokens per KV head per layer)")
+    parser.add_argument("--budget", type=int, default=DualDecoderConfig.budget,
+                        help="dual budget (tokens per KV head per layer)")
     parser.add_argument("--methods", nargs="+", default=["dense", "dual", "dual-no-repair"], choices=list(METHODS),
                         help="eval methods to answer each prompt with (eval/quality/methods.py)")
     parser.add_argument("--threads", type=threads_arg, default=None, help="torch intra-op threads")

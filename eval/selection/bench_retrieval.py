@@ -50,6 +50,7 @@ from ...host.pages import advise_huge_pages
 from ...host.store import HostKVStore
 from ...selection.candidates import Candidates
 from ...selection.selectors import SELECTORS
+from ..options import add_shape_options
 from ..outputs import default_out, write_rows_and_table
 from ..spread import load_average, load_warning
 from .torch_exact import select as torch_select
@@ -255,17 +256,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pools", type=int, nargs="+", default=[1],
                         help="retrieval threads running the layers' jobs (1: one at a time, each call on --threads "
                              "engine threads; N > 1: N layers at once, one engine thread each)")
-    parser.add_argument("--budget", type=int, default=256, help="tokens per KV head")
+    parser.add_argument("--budget", type=int, default=DualDecoderConfig.budget, help="tokens per KV head")
     parser.add_argument("--options", type=json.loads, default={},
                         help='other DualDecoderConfig fields as JSON, e.g. \'{"lowbit_factor": 4}\'')
-    parser.add_argument("--heads", type=int, default=32, help="query heads (the default shape: Llama-3.1-8B)")
-    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads")
-    parser.add_argument("--head-dim", type=int, default=128, help="channels per head")
+    add_shape_options(parser)
     parser.add_argument("--layers", type=int, default=32, help="layers per step (scales the measured step)")
     parser.add_argument("--distinct-layers", type=int, default=4, help="layers with their own store and index")
     parser.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="stored K/V dtype")
-    parser.add_argument("--sink", type=int, default=4, help="sink tokens (never selected)")
-    parser.add_argument("--window", type=int, default=64, help="local window (never selected)")
+    parser.add_argument("--sink", type=int, default=DualDecoderConfig.n_sink, help="sink tokens (never selected)")
+    parser.add_argument("--window", type=int, default=DualDecoderConfig.window, help="local window (never selected)")
     parser.add_argument("--repeats", type=int, default=10,
                         help="timed steps per cell (after one warm-up), the selectors in a rotating order each step; "
                              "rows report the median and the min-max")

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...cli.help_format import DefaultsHelpFormatter
+from ...config import DualDecoderConfig
 from ...model.chat import format_chat
 from ...model.loading import model_display_name
 from ...model.needle_prompt import make_needle_prompt
@@ -212,10 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=2048, help="prompt length (tokens)")
     parser.add_argument("--seeds", default="0-3", help="prompts, e.g. 0-3")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per prompt")
-    parser.add_argument("--budget", type=int, default=256)
-    parser.add_argument("--n-sink", type=int, default=4)
-    parser.add_argument("--window", type=int, default=64)
-    parser.add_argument("--skip-layers", type=int, default=2, help="leave out the first layers (larger budget)")
+    parser.add_argument("--budget", type=int, default=DualDecoderConfig.budget)
+    parser.add_argument("--n-sink", type=int, default=DualDecoderConfig.n_sink)
+    parser.add_argument("--window", type=int, default=DualDecoderConfig.window)
+    parser.add_argument("--skip-layers", type=int, default=DualDecoderConfig.early_layers,
+                        help="leave out the first layers (larger budget)")
     parser.add_argument("--factors", type=int, nargs="+", default=[2, 4], help="over-fetch factors f")
     parser.add_argument("--leads", type=int, nargs="+", default=[1, 2, 4], help="look-ahead layers d")
     parser.add_argument("--cosines", type=float, nargs="+", default=[0.9, 0.95], help="per-head thresholds c")

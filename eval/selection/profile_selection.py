@@ -32,6 +32,7 @@ from ...engine import native, profiling
 from ...engine.codes import GROUP
 from ...selection.candidates import Candidates
 from ...selection.selectors import SELECTORS
+from ..options import add_shape_options
 from ..outputs import default_out, write_rows_and_table
 from ..spread import load_average, load_warning
 from .bench_retrieval import _store, host_read_gbps
@@ -159,17 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="sequences per call")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="engine threads per call")
     parser.add_argument("--selectors", nargs="+", default=["lowbit", "exact"], choices=["lowbit", "exact"])
-    parser.add_argument("--budget", type=int, default=256, help="tokens per KV head")
-    parser.add_argument("--heads", type=int, default=32, help="query heads")
-    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads")
-    parser.add_argument("--head-dim", type=int, default=128, help="channels per head")
+    parser.add_argument("--budget", type=int, default=DualDecoderConfig.budget, help="tokens per KV head")
+    add_shape_options(parser)
     parser.add_argument("--layers", type=int, default=4, help="distinct layers called in turn (fewer when their K/V "
                                                                  "would pass --memory-mib)")
     parser.add_argument("--memory-mib", type=int, default=4096, help="host memory for the layers' K/V")
     parser.add_argument("--flush-mib", type=int, default=64, help="MiB written between calls (0: none)")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds over the layers (after one warm-up)")
-    parser.add_argument("--sink", type=int, default=4, help="sink tokens")
-    parser.add_argument("--window", type=int, default=64, help="local window")
+    parser.add_argument("--sink", type=int, default=DualDecoderConfig.n_sink, help="sink tokens")
+    parser.add_argument("--window", type=int, default=DualDecoderConfig.window, help="local window")
     parser.add_argument("--out", default=None, help="output path without extension (.json and .md)")
     args = parser.parse_args(argv)
     if min(args.contexts) <= args.window + args.sink + args.budget or min(args.batches) < 1 or \

@@ -34,6 +34,7 @@ import torch
 from ...cli.help_format import DefaultsHelpFormatter
 from ...config import DualDecoderConfig
 from ...model.loading import model_display_name
+from ..options import add_sampling_options
 from ..outputs import default_out, write_rows_and_table
 from ..quality.needle_sweep import load_tool_model, parse_seeds, threads_arg
 from .decode_steps import dual_steps, full_attention_layers, use_recorder
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=8192, help="prompt length (tokens)")
     parser.add_argument("--seeds", default="0-1", help="prompts, e.g. 0-3")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per prompt")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else coupled sampling")
+    add_sampling_options(parser)
     parser.add_argument("--sample-seed", type=int, default=0, help="torch seed of the sampling")
     parser.add_argument("--n-sink", type=int, default=DualDecoderConfig.n_sink)
     parser.add_argument("--window", type=int, default=DualDecoderConfig.window)

@@ -30,6 +30,7 @@ from ...cli.help_format import DefaultsHelpFormatter
 from ...config import DualDecoderConfig
 from ...engine.codes import GROUP
 from ...model.loading import model_display_name
+from ..options import add_sampling_options
 from ..outputs import default_out, write_rows_and_table
 from ..quality.needle_sweep import load_tool_model, parse_seeds, threads_arg
 from .decode_steps import dual_steps, full_attention_layers, use_recorder
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=8192, help="prompt length (tokens)")
     parser.add_argument("--seeds", default="0-1", help="prompts, e.g. 0-3")
     parser.add_argument("--steps", type=int, default=16, help="decode steps per prompt")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else coupled sampling")
+    add_sampling_options(parser)
     parser.add_argument("--threads", type=threads_arg, default=None)
     parser.add_argument("--model", default=None, help="named model (gemma3-270m), folder or .gguf (default: embedded)")
     parser.add_argument("--out", default=None, help="output path without extension (.json, .md)")

@@ -148,9 +148,10 @@ def add_recording_arguments(parser: argparse.ArgumentParser, seeds: str = "0-3")
     parser.add_argument("--seeds", default=seeds, help="needle prompts (or RULER samples), e.g. 0-3 or 0,5")
     parser.add_argument("--ruler-task", choices=[t for t in TASKS if not t.startswith("qa")], default=None,
                         help="score RULER samples of this task (the RULER table's prompts) instead of word needles")
-    parser.add_argument("--budget", type=int, default=256, help="tokens per KV head")
+    parser.add_argument("--budget", type=int, default=DualDecoderConfig.budget, help="tokens per KV head")
     parser.add_argument("--queries", type=int, default=16, help="last prompt positions whose queries are scored")
-    parser.add_argument("--skip-layers", type=int, default=2, help="leave out the first layers (larger budget)")
+    parser.add_argument("--skip-layers", type=int, default=DualDecoderConfig.early_layers,
+                        help="leave out the first layers (larger budget)")
     parser.add_argument("--threads", type=threads_arg, default=None, help="torch intra-op threads")
     parser.add_argument("--model", default=None, help="named model (gemma3-270m), folder or .gguf (default: embedded)")
     parser.add_argument("--out", default=None,

@@ -28,6 +28,7 @@ import torch
 
 from ...cache.cache import DualDecoderCache
 from ...cli.help_format import DefaultsHelpFormatter
+from ...config import DualDecoderConfig
 from ...model.needle_prompt import NEEDLE_WORDS, reference_document
 from ..outputs import default_out, write_rows_and_table
 from ..quality.needle_sweep import load_tool_model, threads_arg
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                     "seconds, host bytes, prefilled tokens and the answers.")
     parser.add_argument("--tokens", type=int, default=8192, help="document length (tokens)")
     parser.add_argument("--questions", type=int, default=8, help=f"questions over the document (1..{len(NEEDLE_WORDS)})")
-    parser.add_argument("--budget", type=int, default=256, help="tokens per KV head")
+    parser.add_argument("--budget", type=int, default=DualDecoderConfig.budget, help="tokens per KV head")
     parser.add_argument("--seed", type=int, default=0, help="picks the document, the needles and their numbers")
     parser.add_argument("--model", default=None, help="named model, folder or .gguf (default: the embedded smollm2-135m)")
     parser.add_argument("--threads", type=threads_arg, default=None, help="torch intra-op threads")

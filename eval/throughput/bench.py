@@ -74,6 +74,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ...cache.cache import available_host_bytes
+from ...config import DualDecoderConfig
 from ...runtime.progress import shown
 from .. import spread
 from ..outputs import default_out
@@ -291,13 +292,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1], help="sequences per generate() call")
     parser.add_argument("--contexts", type=int, nargs="+", default=None,
                         help="prompt tokens (default: 2048 4096 8192 on CPU, 32768 131072 on CUDA)")
-    parser.add_argument("--budgets", type=int, nargs="+", default=[256],
+    parser.add_argument("--budgets", type=int, nargs="+", default=[DualDecoderConfig.budget],
                         help="dual / quest tokens retrieved per KV head per layer")
     parser.add_argument("--new-tokens", type=int, default=32, help="generated tokens per sequence")
     parser.add_argument("--warmup-steps", type=int, default=2, help="decode steps excluded from timings")
-    parser.add_argument("--n-sink", type=int, default=4, help="dual sink tokens")
-    parser.add_argument("--window", type=int, default=64, help="dual local window (tokens)")
-    parser.add_argument("--prefill-chunk-size", type=int, default=8192, help="prompt tokens per prefill forward")
+    parser.add_argument("--n-sink", type=int, default=DualDecoderConfig.n_sink, help="dual sink tokens")
+    parser.add_argument("--window", type=int, default=DualDecoderConfig.window, help="dual local window (tokens)")
+    parser.add_argument("--prefill-chunk-size", type=int, default=DualDecoderConfig.prefill_chunk_size,
+                        help="prompt tokens per prefill forward")
     parser.add_argument("--prompts", default="needle", choices=PROMPT_KINDS,
                         help="needle: a word-needle question over the Python reference per row; natural: a passage of "
                              "the RULER essay haystack per row, asked to be continued (eval/quality/natural_text.py); "

@@ -27,6 +27,9 @@ import sys
 
 import torch
 
+from ...config import DualDecoderConfig
+from ..options import add_shape_options
+
 _DEVICE = "cuda"  # tests of the script logic may point this elsewhere
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -64,13 +67,11 @@ def _gather(segments, qpos, batch, kv_heads):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
+    add_shape_options(parser)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
     parser.add_argument("--q-len", type=int, default=2)
-    parser.add_argument("--sink", type=int, default=4)
-    parser.add_argument("--window", type=int, default=64)
+    parser.add_argument("--sink", type=int, default=DualDecoderConfig.n_sink)
+    parser.add_argument("--window", type=int, default=DualDecoderConfig.window)
     parser.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench measuring time per timing")

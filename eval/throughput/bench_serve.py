@@ -34,6 +34,7 @@ from ...cli.help_format import DefaultsHelpFormatter
 from ...config import DualDecoderConfig
 from ...serving.rows import GREEDY_BELOW
 from .. import spread
+from ..options import add_sampling_options
 from ..outputs import default_out, write_rows_and_table
 from ..quality.natural_text import natural_prompt_ids
 from ..spread import with_range
@@ -304,11 +305,7 @@ def add_parser(sub) -> None:
                         "request's index; needs a model with a tokenizer)")
     p.add_argument("--shared-prefix", action="store_true",
                    help="prompts share all but their last 64 tokens (random prompts only)")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature of every request (0: greedy); each request's generator is seeded with "
-                        "--seed + its index")
-    p.add_argument("--top-p", type=float, default=1.0,
-                   help="nucleus mass kept when sampling, in (0, 1] (1: off; < 1 needs --temperature > 0)")
+    add_sampling_options(p, top_p=True)  # every request's; its generator is seeded with --seed + its index
     p.add_argument("--no-sync-points", action="store_true",
                    help="do not count the launch thread's synchronization points (counted by default: a "
                         "TorchFunctionMode that adds Python work to every torch call of that thread, so compare "

@@ -17,6 +17,7 @@ import sys
 import torch
 
 from ...cache.cache import DualDecoderCache
+from ...config import DualDecoderConfig
 from ...generate.timing import TimingStreamer
 from ...model.chat import format_chat
 from ...model.loading import load_model
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192], help="prompt tokens")
     parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--budget", type=int, default=DualDecoderConfig.budget)
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--out", default=None, help="JSON file for summaries and raw timelines")
     args = parser.parse_args(argv)

@@ -19,6 +19,7 @@ import time
 import torch
 
 from ...cli.help_format import DefaultsHelpFormatter
+from ...config import DualDecoderConfig
 from .step_profile import prompt_ids
 
 SELECTORS = ("exact", "lowbit")
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="name or path (default: the embedded SmolLM2-135M)")
     parser.add_argument("--tokens", type=int, default=8192, help="prompt tokens")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (each selector once per round)")
-    parser.add_argument("--budget", type=int, default=256, help="tokens per KV head")
+    parser.add_argument("--budget", type=int, default=DualDecoderConfig.budget, help="tokens per KV head")
     parser.add_argument("--out", default=None, help="output path without extension (.json)")
     args = parser.parse_args(argv)
     if args.tokens < 1 or args.rounds < 1 or args.budget < 1:
