@@ -21,7 +21,7 @@ def always_miss(monkeypatch):
     from dual_cache.generate import speculators
 
     monkeypatch.setattr(speculators.SelfSpeculator, "propose",
-                        lambda self, sequences, chained, hit: [NEVER] * len(sequences))
+                        lambda self, sequences, *rest, **keyed: [NEVER] * len(sequences))
 
 
 def contains_real_top(cache) -> list[bool]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -236,10 +236,10 @@ class DualDecoderCache(Cache):
         return DualCall(self.layers, dataclasses.replace(rows, agree=self.shard.any_rank) if self.shard.sharded
                         else rows)
 
-    def record_speculation(self, hits: int, steps: int) -> None:
-        """Add speculation outcomes: `hits` of `steps` speculated tokens equalled the real next token."""
-        self.accounting.spec_hits += int(hits)
-        self.accounting.spec_steps += int(steps)
+    def record_speculation(self, outcomes: Sequence[bool | None]) -> None:
+        """Add one decode step's speculation outcomes, per sequence: its speculated token equalled the real next
+        token (True) or not (False); None for a sequence not speculated for (finished)."""
+        self.accounting.record_speculation(outcomes)
 
     def check_continuation(self, input_ids: torch.Tensor | None, input_tokens: int,
                            attention_mask: torch.Tensor | None = None) -> None:
@@ -269,6 +269,7 @@ class DualDecoderCache(Cache):
             self.token_ids = None if sequences is None or sequences.shape[1] < stored else \
                 sequences[:, :stored].to("cpu", copy=True)
             self.accounting.decoding_device_bytes = self._device_bytes()
+            self.accounting.end_rows()
         schedule, self.schedule = self.schedule, None
         # what each layer's last submitted selection was handed (its query selects a continuing request's first step)
         pending = {} if schedule is None else {layer.layer_idx: schedule.pending(layer.layer_idx)

@@ -6,6 +6,7 @@ device and the host, the pipeline's overlap, and the per-(step, layer) timeline 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Sequence
 
 from ..layer.layer import DualLayer
@@ -93,6 +94,7 @@ class CacheAccounting:
 
     Attributes:
         spec_hits, spec_steps: speculated tokens that equalled the real one / speculated tokens.
+        row_counts: the running request's `[hits, steps]` per sequence (row); rows_done: those of the ended requests.
         finished: schedule counters (`SCHEDULE_COUNTERS`) of the requests that ended; records: their timelines.
         decoding_device_bytes: device bytes the last ended request held while decoding.
         final: the stats `close()` froze; None while the cache is open.
@@ -101,10 +103,36 @@ class CacheAccounting:
     def __init__(self) -> None:
         self.spec_hits = 0
         self.spec_steps = 0
+        self.row_counts: list[list[int]] = []
+        self.rows_done: list[list[int]] = []
         self.finished = dict.fromkeys(SCHEDULE_COUNTERS, 0)
         self.records: list[dict] = []
         self.decoding_device_bytes = 0
         self.final: dict | None = None
+
+    def record_speculation(self, outcomes: Sequence[bool | None]) -> None:
+        """One decode step's speculation outcomes, per sequence: hit (True), miss (False), or None where the sequence
+        was not speculated for (finished)."""
+        while len(self.row_counts) < len(outcomes):
+            self.row_counts.append([0, 0])
+        for counts, outcome in zip(self.row_counts, outcomes):
+            if outcome is not None:
+                counts[0] += bool(outcome)
+                counts[1] += 1
+                self.spec_hits += bool(outcome)
+                self.spec_steps += 1
+
+    def end_rows(self) -> None:
+        """The request ended: its rows' counts join those of the ended requests."""
+        self.rows_done.extend(self.row_counts)
+        self.row_counts = []
+
+    def row_rates(self) -> dict[str, float]:
+        """`spec_rows` (sequences of every request so far with a speculated step), `spec_row_hit_rate_mean` and
+        `spec_row_hit_rate_min` (their hit rates' mean and the worst; nan without any)."""
+        rates = [hits / steps for hits, steps in self.rows_done + self.row_counts if steps]
+        return {"spec_rows": len(rates), "spec_row_hit_rate_mean": sum(rates) / len(rates) if rates else math.nan,
+                "spec_row_hit_rate_min": min(rates) if rates else math.nan}
 
     def end_schedule(self, schedule: Any) -> None:
         """A request's `TransferSchedule` closed: add its counters and timeline records."""
@@ -128,6 +156,8 @@ class CacheAccounting:
             retrieval_cpu_seconds: host CPU time of the retrieval jobs (selection, plan, gather; every thread of
                 the native engine counted);
             spec_hits, spec_steps: speculated tokens that equalled the real one / speculated tokens;
+            spec_rows, spec_row_hit_rate_mean, spec_row_hit_rate_min: sequences (per request: a batch of B counts B)
+                with a speculated step, and the mean and the worst of their own hit rates (nan without any);
             seq_length: tokens stored; steps: decode forward passes; requests: requests begun;
             retrieval_seconds, copy_seconds: host time spent selecting + gathering, and issuing copies;
             wait_seconds: time the launching thread waited for selections (all of it on the synchronous path);
@@ -157,6 +187,7 @@ class CacheAccounting:
             "dense_equivalent_bytes": dense,
             "spec_hits": self.spec_hits,
             "spec_steps": self.spec_steps,
+            **self.row_rates(),
             "seq_length": seq_length,
             "requests": requests,
             **counters,

@@ -315,7 +315,7 @@ def pick_tokens(cache: DualDecoderCache, inputs: ModelInputs, rules: TokenRules,
     tokens, still, guesses = to_host_list(torch.stack([next_tokens, state.unfinished.long(), chained]))
     if state.speculated is not None:
         state.last_hit = [t == s for t, s in zip(tokens, state.speculated)]
-        cache.record_speculation(sum(h and on for h, on in zip(state.last_hit, state.live)), sum(state.live))
+        cache.record_speculation([h if on else None for h, on in zip(state.last_hit, state.live)])
     state.host_ids = torch.cat([state.host_ids, torch.tensor(tokens)[:, None]], dim=1)
     state.tokens, state.live = tokens, [bool(on) for on in still]
     state.guesses = None if output.spec_logits is None else guesses

@@ -1,14 +1,18 @@
 """Speculators: propose the speculated token x̂ whose queries select the next step's KV entries.
 
-`"ngram"` uses transformers' own `PromptLookupCandidateGenerator` (a `CandidateGenerator`) asked for one token.
+`"ngram"` uses transformers' own `PromptLookupCandidateGenerator` (a `CandidateGenerator`) asked for one token; `"self"`
+asks an incremental index of the same n-grams (`ngram_index.NgramIndex`) after a miss.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections import deque
+from typing import Hashable, Sequence
 
 import torch
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+from .ngram_index import NgramIndex
 
 
 class Speculator:
@@ -18,17 +22,20 @@ class Speculator:
 
     tokens_per_forward = 2
 
-    def propose(self, sequences: Sequence[torch.Tensor], chained: list[int] | None,
-                last_hit: list[bool] | None) -> list[int]:
+    def propose(self, sequences: Sequence[torch.Tensor], chained: Sequence[int | None] | None,
+                last_hit: Sequence[bool | None] | None, rows: Sequence[Hashable] | None = None) -> list[int]:
         """Speculated next token per sequence.
 
         Args:
             sequences: per sequence, its `(T_i,)` int64 host token ids including the newest real token.
             chained: per sequence, the argmax of the speculated slot's logits of the last forward (the model's guess
-                for the token after the one now being proposed, given the previous speculated token); None on the
-                first decode step.
+                for the token after the one now being proposed, given the previous speculated token), or None for a
+                sequence on its first decode step; None (the whole list) when every sequence is.
             last_hit: per sequence, whether the previous speculated token equalled the real one (then `chained`
-                was computed on the true context); None on the first decode step.
+                was computed on the true context); None as `chained`.
+            rows: per sequence, who it belongs to (a hashable the caller keeps for the request's life: the serving
+                `Row`), for speculators that keep per-sequence state; None: the sequence's index in this call (one
+                `generate()` request, whose rows keep their order).
 
         Returns:
             One token id per sequence.
@@ -36,27 +43,91 @@ class Speculator:
         raise NotImplementedError
 
 
-class SelfSpeculator(Speculator):
-    """The model's own greedy guess: argmax of the speculated slot's logits (DualDecoder self-chain).
+class SourceScores:
+    """Which guess source was right on a sequence's recent after-miss steps: prompt lookup or the chained guess.
 
-    Those logits are conditioned on the previous speculated token; where that token missed they are conditioned
-    on a wrong context, so those rows (and the first step, which has no speculated logits) try prompt lookup on
-    the true sequence first. Under greedy decoding one hit keeps the chain hitting.
+    Args:
+        window: after-miss steps remembered (the newest ones).
+
+    Attributes:
+        pending: the last after-miss step's `(lookup, chained)` proposals (lookup None where nothing matched),
+            scored by `score` once the real token they guessed is known; None when there is none to score.
     """
 
-    def __init__(self, ngram_size: int = 3) -> None:
-        self.lookup = PromptLookupSpeculator(ngram_size)
+    def __init__(self, window: int = 8) -> None:
+        self.outcomes: deque[tuple[bool, bool]] = deque(maxlen=window)
+        self.pending: tuple[int | None, int] | None = None
 
-    def propose(self, sequences: Sequence[torch.Tensor], chained: list[int] | None,
-                last_hit: list[bool] | None) -> list[int]:
-        if chained is None or last_hit is None:
-            return self.lookup.propose(sequences, chained, None)
-        proposals = list(chained)
-        missed = [i for i, hit in enumerate(last_hit) if not hit]
-        if missed:
-            looked = self.lookup.propose([sequences[i] for i in missed], [chained[i] for i in missed], None)
-            for i, token in zip(missed, looked):
-                proposals[i] = token
+    def score(self, real: int) -> None:
+        """Record whether each pending proposal equalled `real`, the token it guessed."""
+        if self.pending is not None:
+            looked, chained = self.pending
+            self.outcomes.append((looked == real, chained == real))
+            self.pending = None
+
+    def prefers_chain(self) -> bool:
+        """Whether the chained guess was right more often than lookup on the remembered steps (ties: lookup)."""
+        by_lookup = sum(looked for looked, _ in self.outcomes)
+        return sum(chained for _, chained in self.outcomes) > by_lookup
+
+
+class SelfSpeculator(Speculator):
+    """The model's own greedy guess: argmax of the speculated slot's logits (DualDecoder self-chain), with prompt
+    lookup after a miss where lookup has been the better source for that sequence (issue 71).
+
+    After a hit the chained guess was computed on the true context: under greedy decoding one hit keeps the chain
+    hitting, so it is proposed. After a miss it was computed on a wrong context, and prompt lookup on the true
+    sequence (`NgramIndex`, n-grams of `ngram_size` down to 1) may know better: text that quotes its prompt (code,
+    retrieval answers) is continued by lookup, text in the model's own words by the chain. Each sequence scores both
+    sources on its last `window` after-miss steps (`SourceScores`) and proposes the one right more often (ties and
+    the first step: lookup; where lookup finds nothing: the chained guess, or on the first step the newest token).
+
+    State is per sequence, keyed by `rows` (`Speculator.propose`); a sequence on its first decode step starts fresh,
+    a key absent from a call is forgotten (its request left), and a sequence that does not extend the one indexed
+    under its key (another request in that row) is re-indexed and re-scored from nothing.
+
+    Args:
+        ngram_size: longest n-gram prompt lookup matches (tokens).
+        window: after-miss steps each sequence's scores remember.
+    """
+
+    def __init__(self, ngram_size: int = 3, window: int = 8) -> None:
+        self.ngram_size, self.window = ngram_size, window
+        self.state: dict[Hashable, tuple[NgramIndex, SourceScores]] = {}
+
+    def _row(self, key: Hashable, sequence: torch.Tensor, first: bool) -> tuple[NgramIndex, SourceScores]:
+        """The key's index (extended to `sequence`) and scores; new ones on a first step or another sequence."""
+        state = self.state.get(key)
+        if first or state is None or not state[0].extends(sequence):
+            state = (NgramIndex(self.ngram_size), SourceScores(self.window))
+            self.state[key] = state
+        state[0].update(sequence)
+        return state
+
+    def propose(self, sequences: Sequence[torch.Tensor], chained: Sequence[int | None] | None,
+                last_hit: Sequence[bool | None] | None, rows: Sequence[Hashable] | None = None) -> list[int]:
+        keys = list(range(len(sequences))) if rows is None else list(rows)
+        if len(keys) != len(sequences):
+            raise ValueError(f"rows names {len(keys)} sequences for {len(sequences)}.")
+        present = set(keys)
+        for key in [key for key in self.state if key not in present]:
+            del self.state[key]
+        proposals = []
+        for i, (key, sequence) in enumerate(zip(keys, sequences)):
+            guess = None if chained is None else chained[i]
+            hit = None if last_hit is None else last_hit[i]
+            index, scores = self._row(key, sequence, guess is None)
+            if guess is not None:
+                scores.score(int(sequence[-1]))
+            if hit:
+                proposals.append(int(guess))
+                continue
+            looked = index.lookup()
+            if guess is None:  # the first step: no chained guess to score or fall back on
+                proposals.append(int(sequence[-1]) if looked is None else looked)
+                continue
+            scores.pending = (looked, int(guess))
+            proposals.append(int(guess) if looked is None or scores.prefers_chain() else looked)
         return proposals
 
 
@@ -69,15 +140,16 @@ class PromptLookupSpeculator(Speculator):
             num_output_tokens=1, max_matching_ngram_size=ngram_size, max_length=2**62
         )
 
-    def propose(self, sequences: Sequence[torch.Tensor], chained: list[int] | None,
-                last_hit: list[bool] | None) -> list[int]:
+    def propose(self, sequences: Sequence[torch.Tensor], chained: Sequence[int | None] | None,
+                last_hit: Sequence[bool | None] | None, rows: Sequence[Hashable] | None = None) -> list[int]:
         proposals = []
         for i, sequence in enumerate(sequences):
             candidates, _ = self.generator.get_candidates(sequence[None])
             if candidates.shape[1] > sequence.shape[0]:
                 proposals.append(int(candidates[0, sequence.shape[0]]))
             else:
-                proposals.append(int(sequence[-1]) if chained is None else chained[i])
+                guess = None if chained is None else chained[i]
+                proposals.append(int(sequence[-1]) if guess is None else int(guess))
         return proposals
 
 
@@ -86,8 +158,8 @@ class NoSpeculator(Speculator):
 
     tokens_per_forward = 1
 
-    def propose(self, sequences: Sequence[torch.Tensor], chained: list[int] | None,
-                last_hit: list[bool] | None) -> list[int]:
+    def propose(self, sequences: Sequence[torch.Tensor], chained: Sequence[int | None] | None,
+                last_hit: Sequence[bool | None] | None, rows: Sequence[Hashable] | None = None) -> list[int]:
         return [int(sequence[-1]) for sequence in sequences]
 
 

@@ -11,7 +11,7 @@ exactly once, where the caller reads its sampled tokens (`tests/test_sync_points
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Hashable, NamedTuple, Sequence
 
 import torch
 
@@ -60,20 +60,23 @@ class DualStep:
         self.repair = RepairPolicy(config.miss_repair and self.tokens_per_forward == 2, config.repair_drift,
                                    self.device, config.drift_on_hit_steps)
 
-    def propose(self, sequences: Sequence[torch.Tensor], chained: list[int] | None,
-                last_hit: list[bool] | None) -> list[int] | None:
+    def propose(self, sequences: Sequence[torch.Tensor], chained: Sequence[int | None] | None,
+                last_hit: Sequence[bool | None] | None, rows: Sequence[Hashable] | None = None) -> list[int] | None:
         """The speculated token of each sequence (`Speculator.propose`, on host values), or None with one token per
         forward.
 
         Args:
             sequences: per sequence, its `(T_i,)` int64 host token ids including the newest real token.
-            chained: per sequence, the argmax of the last forward's speculated slot (None on the first step).
-            last_hit: per sequence, whether the last speculated token hit (None on the first step).
+            chained: per sequence, the argmax of the last forward's speculated slot (None on its first step; None
+                for all on every sequence's first step).
+            last_hit: per sequence, whether the last speculated token hit (None as `chained`).
+            rows: per sequence, the owner the speculator keys its per-sequence state by (the serving `Row`); None:
+                the sequence's index (one `generate()` request).
         """
         if self.tokens_per_forward == 1:
             return None
         with uncounted():  # host tensors only: the sequences were read back already
-            return self.speculator.propose(sequences, chained, last_hit)
+            return self.speculator.propose(sequences, chained, last_hit, rows)
 
     def forward(self, cache, real: list[int], speculated: list[int] | None, positions: list[int],
                 mask: torch.Tensor | None, live: list[bool], hit: list[bool] | None,

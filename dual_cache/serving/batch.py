@@ -167,8 +167,7 @@ class DualBatch:
         live = [not row.done for row in rows]
         real = [row.pending if on else self.pad_id for row, on in zip(rows, live)]
         if step.tokens_per_forward == 2:
-            for row in rows:
-                row.speculated = self._propose(row) if not row.done else self.pad_id
+            self._propose(rows)
         speculated = [row.speculated for row in rows] if step.tokens_per_forward == 2 else None
         hit = [bool(row.last_hit) for row in rows]  # a row on its first step (None) is re-selected as a miss is
         with torch.inference_mode():
@@ -177,25 +176,30 @@ class DualBatch:
             step_logits, spec_logits, _ = step.forward(cache, real, speculated, [row.length - 1 for row in rows],
                                                        step_mask, live, hit)
             logits = to_host(step_logits if spec_logits is None else torch.stack([step_logits, spec_logits], 1))
-        hits = steps = 0
+        outcomes: list[bool | None] = [None] * len(rows)  # per row: its speculated token hit, missed, or none
         for i, row in enumerate(rows):
             if row.done:
                 continue
             token = row.pick(logits[i] if spec_logits is None else logits[i, 0])
             if speculated is not None:
-                row.last_hit = token == row.speculated
+                row.last_hit = outcomes[i] = token == row.speculated
                 row.guess = row.speculate(logits[i, 1])
-                hits, steps = hits + int(row.last_hit), steps + 1
             row.emit(token, self.decode, self.eos_ids)
-        cache.record_speculation(hits, steps)
-        self.spec_hits += hits
-        self.spec_steps += steps
+        cache.record_speculation(outcomes)
+        self.spec_hits += sum(outcome is True for outcome in outcomes)
+        self.spec_steps += sum(outcome is not None for outcome in outcomes)
 
-    def _propose(self, row: Row) -> int:
-        """The row's speculated next token (`DualStep.propose` on the row's own sequence)."""
-        first = row.guess is None
-        return self.dual_step.propose([row.tokens], None if first else [row.guess],
-                                      None if first else [bool(row.last_hit)])[0]
+    def _propose(self, rows: list[Row]) -> None:
+        """Set each row's speculated next token (`DualStep.propose` on the live rows' own sequences, in one call
+        keyed by the rows, so the speculator's per-row state follows each request; finished rows get pads)."""
+        live = [row for row in rows if not row.done]
+        proposed = self.dual_step.propose([row.tokens for row in live], [row.guess for row in live],
+                                          [row.last_hit for row in live], rows=live)
+        for row, token in zip(live, proposed):
+            row.speculated = token
+        for row in rows:
+            if row.done:
+                row.speculated = self.pad_id
 
     def memory(self, caches: list[DualDecoderCache]) -> dict[str, int]:
         """Device and host bytes held now by the batch's cache and `caches` (the prefilling rows')."""
