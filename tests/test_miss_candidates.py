@@ -71,8 +71,8 @@ def test_scan_bounds_never_skip_a_group_holding_a_shortlisted_position():
 
 
 def test_speculator_variants_count_hits_through_generate_and_restore_the_library_speculator():
-    """Every variant of `speculator_variants` decodes through `generate()` with the dual cache and counts one
-    speculated step per decode step after the first; the library's speculator factory is back afterwards."""
+    """Every variant of `speculator_variants` decodes a batch through `generate()` with the dual cache and counts, per
+    row, one speculated step per decode step after the first; the library's speculator factory is back afterwards."""
     from types import SimpleNamespace
 
     from dual_cache.eval.selection import speculator_variants as tool
@@ -84,9 +84,14 @@ def test_speculator_variants_count_hits_through_generate_and_restore_the_library
     prompt[100:120] = prompt[20:40]  # a copied span: lookup has something to find
     for variant in tool.VARIANTS:
         for sample in (False, True):
-            hit, steps = tool.hits(model, SimpleNamespace(eos_token_id=0), prompt, variant, 16, 6, sample)
-            assert steps == 5 and 0 <= hit <= steps, (variant, sample)
+            # a batch of two rows of different lengths (left-padded): one count per row
+            counts = tool.row_hits(model, SimpleNamespace(eos_token_id=0), [prompt, prompt[7:]], variant, 16, 6, sample)
+            assert len(counts) == 2, (variant, sample)
+            for hit, steps in counts:
+                assert steps == 5 and 0 <= hit <= steps, (variant, sample)
     assert step.make_speculator is made
+    summary = tool.summary([(4, 5), (1, 5)])
+    assert summary["mean"] == 0.5 and summary["worst"] == 0.2 and summary["rate"] == 0.5
 
 
 def test_resident_capacities_replay_on_a_tiny_model():

@@ -21,9 +21,19 @@ def natural_prompt_ids(tokenizer, tokens: int, seed: int) -> list[int]:
     Raises:
         ValueError: for `tokens` < 64 or more than the document holds.
     """
+    return passage_prompt_ids(tokenizer, reference_document().split(" "), tokens, seed, CUE)
+
+
+def passage_prompt_ids(tokenizer, words: list[str], tokens: int, seed: int, cue: str) -> list[int]:
+    """Token ids of a passage of `words` (offset drawn from `seed` in the first half) followed by `cue`, in the
+    model's chat format (plain text without `cue` for a tokenizer without a chat template), at most `tokens` tokens
+    long (within a few tokens of it).
+
+    Raises:
+        ValueError: for `tokens` < 64 or more than `words` hold after the offset.
+    """
     if tokens < 64:
         raise ValueError(f"a natural-text prompt needs at least 64 tokens, got {tokens}.")
-    words = reference_document().split(" ")
     start = random.Random(seed).randrange(0, len(words) // 2)
     chat = bool(getattr(tokenizer, "chat_template", None))
     # about 1.3 tokens per word of this document: take enough words, then cut the token ids
@@ -31,10 +41,10 @@ def natural_prompt_ids(tokenizer, tokens: int, seed: int) -> list[int]:
     if not chat:
         ids = tokenizer(passage)["input_ids"]
         if len(ids) < tokens:
-            raise ValueError(f"the reference document holds fewer than {tokens} tokens after offset {start}.")
+            raise ValueError(f"the document holds fewer than {tokens} tokens after offset {start}.")
         return ids[:tokens]
-    cue = format_chat(tokenizer, CUE)
-    overhead = len(cue) - len(tokenizer(CUE, add_special_tokens=False)["input_ids"])
-    body = tokenizer(passage, add_special_tokens=False)["input_ids"][: tokens - len(cue) - overhead]
-    ids = format_chat(tokenizer, tokenizer.decode(body) + CUE)
+    formatted_cue = format_chat(tokenizer, cue)
+    overhead = len(formatted_cue) - len(tokenizer(cue, add_special_tokens=False)["input_ids"])
+    body = tokenizer(passage, add_special_tokens=False)["input_ids"][: tokens - len(formatted_cue) - overhead]
+    ids = format_chat(tokenizer, tokenizer.decode(body) + cue)
     return ids[:tokens] if len(ids) <= tokens + 8 else ids[-tokens:]
