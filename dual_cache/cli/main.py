@@ -99,6 +99,9 @@ def stats_line(info: dict) -> str:
     and the share of the wanted entries that were resident already."""
     steps = info.get("spec_steps", 0)
     hit = f"{info['spec_hits'] / steps:.0%} ({info['spec_hits']}/{steps})" if steps else "n/a"
+    worst = info.get("spec_row_hit_rate_min", float("nan"))
+    if steps and info.get("spec_rows", 0) > 1 and worst == worst:
+        hit += f", worst sequence {worst:.0%}"
     ratio = info["device_bytes"] / max(info["dense_equivalent_bytes"], 1)
     steps_run = info.get("steps", 0)
     copied = f"{format_bytes(info['bytes_copied'] / steps_run)}/step" if steps_run else "n/a"

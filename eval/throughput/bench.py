@@ -44,6 +44,7 @@ of the runs with `<field>_min` / `<field>_max` beside it, `eval/spread.py`) it r
   host selection (the dual cache's `wait_seconds`: retrieval it ran in line or waited for, a CPU device's copies,
   synchronous miss repairs; 0 for dense, which never selects; NaN for `offloaded`; `launch_thread.py` defines it);
 - `spec_hit_rate`: speculated tokens equal to the real next token / speculated tokens (dual only);
+  `spec_row_hit_rate_min`: the worst sequence's own hit rate (the table shows it in parentheses);
 - `repaired_fraction`: decode steps in which miss repair redid any selection (a miss, or a drifted query on a hit:
   `repair_drift`) / decode steps (dual only; `miss_repair`); `forced_miss_rate`: `dual-forced-miss` only;
 - `prompts`, `temperature`, `top_p`: the prompts (`needle` or `natural`) and the decoding (temperature 0: greedy).

@@ -34,7 +34,8 @@ COLUMNS = (
     "dense_equivalent_bytes_per_request", "bytes_copied_per_step", "bytes_copied_per_sequence_step",
     "host_core_ms_per_sequence_step", "resident_share", "overlap_ratio", "idle_copy_fraction",
     "idle_host_fraction", "wait_seconds", "sync_points_per_step", "sync_points_by_op", "blocked_ms_per_step",
-    "spec_hit_rate", "repaired_fraction", "forced_miss_rate", "prompts", "temperature", "top_p", "threads", "error",
+    "spec_hit_rate", "spec_row_hit_rate_min", "repaired_fraction", "forced_miss_rate", "prompts", "temperature",
+    "top_p", "threads", "error",
 )
 
 
@@ -228,6 +229,7 @@ def run_cell(model, prompts: PromptSource, method: str, context: int, batch: int
         overlap_ratio=acct["overlap_ratio"], idle_copy_fraction=acct["idle_copy_fraction"],
         idle_host_fraction=acct["idle_host_fraction"], wait_seconds=acct["wait_seconds"],
         spec_hit_rate=(acct["spec_hits"] / acct["spec_steps"]) if acct["spec_steps"] else NAN,
+        spec_row_hit_rate_min=acct["spec_row_hit_rate_min"],
         repaired_fraction=acct["repaired_fraction"],
     )
     if method != "offloaded":  # transformers' offloaded cache waits for its layer copies on no clock of its own

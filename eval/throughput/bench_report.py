@@ -48,6 +48,12 @@ def label(row: dict) -> str:
     return method_label(row["method"], row.get("budget"), row.get("forced_miss_rate"))
 
 
+def _worst(row: dict) -> str:
+    """` (w%)`: the worst sequence's own speculation hit rate, where the cell has one."""
+    worst = row.get("spec_row_hit_rate_min", math.nan)
+    return "" if worst is None or math.isnan(worst) else f" ({worst:.0%})"
+
+
 def cell_table(cells: list[dict]) -> str:
     """Markdown table, one line per cell; timings are the median of the cell's runs with their min–max in
     parentheses; `×dense` / `×offl` are this row's median decode tokens/s over the dense / offloaded row's at the
@@ -56,7 +62,7 @@ def cell_table(cells: list[dict]) -> str:
     head = ("| method | context | batch | TTFT s | decode tok/s | ms/step | device MiB/req | CUDA peak MiB/req all / decode | "
             "host MiB/req | copied MiB/step | copied MB/seq-step | host core-ms/seq-step | resident share | "
             "overlap (GPU idle: copy / host) | wait s | sync/step | blocked ms/step | "
-            "hit rate | repaired | ×dense tok/s | ×offl tok/s | dev/dense bytes |")
+            "hit rate (worst row) | repaired | ×dense tok/s | ×offl tok/s | dev/dense bytes |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in cells:
         if row["error"] is not None:
@@ -77,7 +83,7 @@ def cell_table(cells: list[dict]) -> str:
             f"{_num(row.get('resident_share', math.nan), '{:.0%}')} | "
             f"{_num(row['overlap_ratio'])}{_idle(row)} | {_num(row['wait_seconds'])} | "
             f"{with_range(row, 'sync_points_per_step', '{:.1f}')} | {with_range(row, 'blocked_ms_per_step', '{:.1f}')} | "
-            f"{_num(row['spec_hit_rate'], '{:.0%}')} | "
+            f"{_num(row['spec_hit_rate'], '{:.0%}')}{_worst(row)} | "
             f"{_num(row.get('repaired_fraction', math.nan), '{:.0%}')} | "
             f"{'—' if is_base or not dense else _num(_ratio(row['decode_tokens_per_s'], dense['decode_tokens_per_s']))} | "
             f"{'—' if is_base or not offl else _num(_ratio(row['decode_tokens_per_s'], offl['decode_tokens_per_s']))} | "
