@@ -184,3 +184,25 @@ def test_stats_report_each_rows_hit_rate():
     accounting.record_speculation([True])
     assert accounting.row_rates()["spec_rows"] == 4
     assert math.isnan(CacheAccounting().row_rates()["spec_row_hit_rate_min"])
+
+
+def test_ngram_index_bulk_runs_agree_with_step_by_step_indexing():
+    seed = random.SystemRandom().randrange(2**31)
+    rng = random.Random(seed)
+    for _ in range(20):
+        tokens = [rng.randrange(5) for _ in range(rng.randrange(NgramIndex.BULK, 4 * NgramIndex.BULK))]
+        cut = rng.randrange(1, len(tokens))
+        index = NgramIndex(NGRAM)
+        index.update(torch.tensor(tokens[:cut]))  # a prompt, maybe in bulk
+        for end in range(cut + 1, len(tokens) + 1):
+            index.update(torch.tensor(tokens[:end]))
+            if end % 7 == 0 or end == len(tokens):
+                assert index.lookup() == latest_continuation(tokens[:end], NGRAM), (seed, end)
+        # a long extension at once: a second bulk run over the first
+        more = [rng.randrange(5) for _ in range(NgramIndex.BULK + 3)]
+        index.update(torch.tensor(tokens + more))
+        assert index.lookup() == latest_continuation(tokens + more, NGRAM), seed
+    wide = NgramIndex(NGRAM)  # ids wider than the packed bits: a collision never returns a wrong token
+    tokens = [1, 2, 3, 7, 5, 2, 3, 8, 1 + (1 << 21), 2, 3]  # (1 + 2^21, 2, 3) packs as (1, 2, 3), followed by 7
+    wide.update(torch.tensor(tokens))
+    assert wide.lookup() == latest_continuation(tokens, NGRAM) == 8

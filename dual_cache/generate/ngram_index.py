@@ -18,6 +18,13 @@ import torch
 class NgramIndex:
     """Every n-gram (n = 1..`ngram_size`) of one token sequence, mapped to where its most recent continuation is.
 
+    Keys are the n-gram's token ids packed into one int (`63 // ngram_size` low bits of each), one table per n; a
+    match is checked against the tokens themselves, so ids wider than that (a vocabulary over 2^21 tokens at n = 3)
+    can only make a packed key collide and lose a match, never return a wrong one. Tokens added a few at a time (a
+    decode step's) go to dicts; a long run of them (a prompt) to a sorted run of keys with each key's latest
+    continuation, built in a few vectorized passes and searched by bisection, so a 128K-token prompt costs a few
+    sorts, not a dict write per n-gram. Lookup takes the latest position the dicts and the runs hold.
+
     Args:
         ngram_size: the longest n-gram matched (tokens, ≥ 1).
 
@@ -26,13 +33,18 @@ class NgramIndex:
     """
 
     TAIL = 8  # tokens compared to tell that a sequence still extends the one indexed (`extends`)
+    BULK = 64  # new tokens from which indexing is vectorized
 
     def __init__(self, ngram_size: int) -> None:
         if ngram_size < 1:
             raise ValueError(f"ngram_size must be at least 1, got {ngram_size}.")
         self.ngram_size = ngram_size
+        self.bits = 63 // ngram_size
         self.tokens: list[int] = []
-        self.next_at: dict[tuple[int, ...], int] = {}  # n-gram -> position of the token after its latest occurrence
+        # per n (index n - 1): packed n-gram -> position of the token after its latest occurrence
+        self.next_at: list[dict[int, int]] = [{} for _ in range(ngram_size)]
+        # bulk-indexed runs, oldest first: per n, (sorted packed keys, the latest continuation of each)
+        self.runs: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
 
     def extends(self, sequence: torch.Tensor | Sequence[int]) -> bool:
         """Whether `sequence` (`(T,)` int64 ids) is at least as long as the indexed tokens and ends them the same way
@@ -44,24 +56,71 @@ class NgramIndex:
         tail = sequence[start:n]
         return (tail.tolist() if isinstance(tail, torch.Tensor) else list(tail)) == self.tokens[start:]
 
+    def _key(self, gram: Sequence[int]) -> int:
+        key, mask = 0, (1 << self.bits) - 1
+        for token in gram:
+            key = (key << self.bits) | (token & mask)
+        return key
+
     def update(self, sequence: torch.Tensor | Sequence[int]) -> None:
         """Index the tokens of `sequence` (`(T,)` int64 ids, an extension of the indexed ones: `extends`) past the
         indexed ones: O(new tokens × ngram_size)."""
-        new = sequence[len(self.tokens):]
+        old = len(self.tokens)
+        new = sequence[old:]
         new = new.tolist() if isinstance(new, torch.Tensor) else list(new)
-        tokens, table, size = self.tokens, self.next_at, self.ngram_size
+        if len(new) >= self.BULK:
+            self._bulk(torch.as_tensor(self.tokens[max(0, old - self.ngram_size):] + new, dtype=torch.long),
+                       max(0, old - self.ngram_size), old)
+            self.tokens.extend(new)
+            return
+        tokens, size = self.tokens, self.ngram_size
         for token in new:
             p = len(tokens)  # the new token's position: the continuation of the n-grams that end just before it
             for n in range(1, min(size, p) + 1):
-                table[tuple(tokens[p - n:p])] = p
+                self.next_at[n - 1][self._key(tokens[p - n:p])] = p
             tokens.append(int(token))
+
+    def _bulk(self, segment: torch.Tensor, offset: int, first: int) -> None:
+        """Index the continuations at positions ≥ `first` of `segment` (the sequence's tokens from `offset` on)."""
+        mask = (1 << self.bits) - 1
+        masked = segment & mask
+        length = segment.shape[0]
+        run: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for n in range(1, self.ngram_size + 1):
+            starts = max(0, first - n - offset)  # the first n-gram (segment index) whose continuation is new
+            count = length - n - starts  # n-grams starting at starts.. whose continuation lies in the segment
+            if count <= 0:
+                run.append((torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)))
+                continue
+            keys = torch.zeros(count, dtype=torch.long)
+            for j in range(n):
+                keys = (keys << self.bits) | masked[starts + j:starts + j + count]
+            positions = torch.arange(offset + starts + n, offset + starts + n + count)
+            order = torch.argsort(keys, stable=True)  # equal keys stay in position order: the last is the latest
+            keys, positions = keys[order], positions[order]
+            last = torch.ones(count, dtype=torch.bool)
+            last[:-1] = keys[1:] != keys[:-1]
+            run.append((keys[last].contiguous(), positions[last]))
+        self.runs.append(run)
+
+    def _find(self, n: int, key: int) -> int | None:
+        """The latest continuation of packed n-gram `key` in the dicts and the runs (the largest position)."""
+        at = self.next_at[n - 1].get(key)
+        probe = torch.tensor([key])
+        for run in self.runs:
+            keys, positions = run[n - 1]
+            i = int(torch.searchsorted(keys, probe)[0])
+            if i < keys.shape[0] and int(keys[i]) == key and (at is None or int(positions[i]) > at):
+                at = int(positions[i])
+        return at
 
     def lookup(self) -> int | None:
         """The token that followed the most recent earlier occurrence of the longest suffix n-gram of the indexed
         sequence (n from `ngram_size` down to 1), or None where no suffix n-gram occurred before."""
-        tokens, table = self.tokens, self.next_at
+        tokens = self.tokens
         for n in range(min(self.ngram_size, len(tokens) - 1), 0, -1):
-            at = table.get(tuple(tokens[-n:]))
-            if at is not None:
+            gram = tokens[-n:]
+            at = self._find(n, self._key(gram))
+            if at is not None and tokens[at - n:at] == gram:
                 return tokens[at]
         return None

@@ -86,9 +86,16 @@ class SelfSpeculator(Speculator):
     a key absent from a call is forgotten (its request left), and a sequence that does not extend the one indexed
     under its key (another request in that row) is re-indexed and re-scored from nothing.
 
+    Sources: the self-chain is DualDecoder's (the paper, 2026); prompt lookup is prompt lookup decoding (A. Saxena,
+    2023), as transformers' `PromptLookupCandidateGenerator` implements it (this index takes the latest match, not
+    the first: `ngram_index`).
+
     Args:
         ngram_size: longest n-gram prompt lookup matches (tokens).
         window: after-miss steps each sequence's scores remember.
+
+    Raises (`propose`):
+        ValueError: when `rows` does not name one owner per sequence.
     """
 
     def __init__(self, ngram_size: int = 3, window: int = 8) -> None:
