@@ -15,23 +15,14 @@ from dual_cache.generate.speculators import PromptLookupSpeculator, SelfSpeculat
 NGRAM = 3
 
 
-def latest_continuation(tokens: list[int], size: int) -> int | None:
-    """Brute force: the token after the most recent earlier occurrence of the longest suffix n-gram (n ≤ size)."""
+def continuation(tokens: list[int], size: int, latest: bool) -> int | None:
+    """Brute force: the token after the first (latest) earlier occurrence of the longest suffix n-gram (n ≤ size)."""
     for n in range(min(size, len(tokens) - 1), 0, -1):
         suffix = tokens[-n:]
-        for start in range(len(tokens) - n - 1, -1, -1):  # occurrences that end before the last position
+        starts = range(len(tokens) - n)  # occurrences that end before the last position
+        for start in (reversed(starts) if latest else starts):
             if tokens[start:start + n] == suffix:
                 return tokens[start + n]
-    return None
-
-
-def first_match_size(tokens: list[int], size: int) -> tuple[int, int] | None:
-    """`(n, occurrences)` of the longest suffix n-gram that occurred earlier, as transformers searches it."""
-    for n in range(min(size, len(tokens) - 1), 0, -1):
-        suffix = tokens[-n:]
-        found = sum(tokens[s:s + n] == suffix for s in range(len(tokens) - n))
-        if found:
-            return n, found
     return None
 
 
@@ -45,29 +36,27 @@ def random_sequences(count: int, vocab: int, length: int):
 def test_ngram_index_matches_references_on_random_sequences():
     reference = PromptLookupSpeculator(NGRAM)
     for seed, tokens in random_sequences(200, vocab=6, length=60):
-        index = NgramIndex(NGRAM)
+        first, latest = NgramIndex(NGRAM), NgramIndex(NGRAM, latest=True)
         for end in range(1, len(tokens) + 1):  # grown one token at a time, as the decode loop grows it
             prefix = tokens[:end]
-            index.update(torch.tensor(prefix))
-            ours = index.lookup()
-            assert ours == latest_continuation(prefix, NGRAM), (seed, prefix)
-            match = first_match_size(prefix, NGRAM)
-            theirs = reference.propose([torch.tensor(prefix)], [-1], None)[0]
-            if match is None:
-                assert ours is None and theirs == -1, (seed, prefix)
-            elif match[1] == 1:  # one earlier occurrence: transformers' first match is the latest one
-                assert ours == theirs, (seed, prefix)
+            first.update(torch.tensor(prefix))
+            latest.update(torch.tensor(prefix))
+            theirs = reference.propose([torch.tensor(prefix)], [-1], None)[0]  # -1 where nothing matches
+            assert (-1 if first.lookup() is None else first.lookup()) == theirs, (seed, prefix)
+            assert first.lookup() == continuation(prefix, NGRAM, latest=False), (seed, prefix)
+            assert latest.lookup() == continuation(prefix, NGRAM, latest=True), (seed, prefix)
 
 
 def test_ngram_index_indexes_in_chunks_and_checks_extension():
-    index = NgramIndex(NGRAM)
-    index.update(torch.tensor([1, 2, 3, 4, 1, 2]))
-    assert index.lookup() == 3
-    index.update(torch.tensor([1, 2, 3, 4, 1, 2, 9, 1, 2]))
-    assert index.lookup() == 9  # the most recent continuation of (1, 2)
-    assert index.extends(torch.tensor([1, 2, 3, 4, 1, 2, 9, 1, 2, 5]))
-    assert not index.extends(torch.tensor([1, 2, 3, 4, 1, 2, 9, 7, 2, 5]))
-    assert not index.extends(torch.tensor([1, 2]))
+    for latest, answer in ((False, 3), (True, 9)):
+        index = NgramIndex(NGRAM, latest=latest)
+        index.update(torch.tensor([1, 2, 3, 4, 1, 2]))
+        assert index.lookup() == 3
+        index.update(torch.tensor([1, 2, 3, 4, 1, 2, 9, 1, 2]))
+        assert index.lookup() == answer  # the first / the most recent continuation of (1, 2)
+        assert index.extends(torch.tensor([1, 2, 3, 4, 1, 2, 9, 1, 2, 5]))
+        assert not index.extends(torch.tensor([1, 2, 3, 4, 1, 2, 9, 7, 2, 5]))
+        assert not index.extends(torch.tensor([1, 2]))
     with pytest.raises(ValueError):
         NgramIndex(0)
 
@@ -189,20 +178,22 @@ def test_stats_report_each_rows_hit_rate():
 def test_ngram_index_bulk_runs_agree_with_step_by_step_indexing():
     seed = random.SystemRandom().randrange(2**31)
     rng = random.Random(seed)
-    for _ in range(20):
+    for trial in range(20):
+        latest = bool(trial % 2)
         tokens = [rng.randrange(5) for _ in range(rng.randrange(NgramIndex.BULK, 4 * NgramIndex.BULK))]
         cut = rng.randrange(1, len(tokens))
-        index = NgramIndex(NGRAM)
+        index = NgramIndex(NGRAM, latest=latest)
         index.update(torch.tensor(tokens[:cut]))  # a prompt, maybe in bulk
         for end in range(cut + 1, len(tokens) + 1):
             index.update(torch.tensor(tokens[:end]))
             if end % 7 == 0 or end == len(tokens):
-                assert index.lookup() == latest_continuation(tokens[:end], NGRAM), (seed, end)
+                assert index.lookup() == continuation(tokens[:end], NGRAM, latest), (seed, end)
         # a long extension at once: a second bulk run over the first
-        more = [rng.randrange(5) for _ in range(NgramIndex.BULK + 3)]
+        more = [rng.randrange(7) for _ in range(NgramIndex.BULK + 3)]
         index.update(torch.tensor(tokens + more))
-        assert index.lookup() == latest_continuation(tokens + more, NGRAM), seed
-    wide = NgramIndex(NGRAM)  # ids wider than the packed bits: a collision never returns a wrong token
-    tokens = [1, 2, 3, 7, 5, 2, 3, 8, 1 + (1 << 21), 2, 3]  # (1 + 2^21, 2, 3) packs as (1, 2, 3), followed by 7
-    wide.update(torch.tensor(tokens))
-    assert wide.lookup() == latest_continuation(tokens, NGRAM) == 8
+        assert index.lookup() == continuation(tokens + more, NGRAM, latest), seed
+    wide = 1 + (1 << 21)  # packs as 1: (wide, 2, 3) collides with (1, 2, 3), followed by 7; a real match follows
+    for latest, tokens in ((False, [2, 3, 8, 1, 2, 3, 7, wide, 2, 3]), (True, [1, 2, 3, 7, 5, 2, 3, 8, wide, 2, 3])):
+        index = NgramIndex(NGRAM, latest=latest)
+        index.update(torch.tensor(tokens))
+        assert index.lookup() == continuation(tokens, NGRAM, latest) == 8

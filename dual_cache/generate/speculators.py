@@ -87,26 +87,26 @@ class SelfSpeculator(Speculator):
     under its key (another request in that row) is re-indexed and re-scored from nothing.
 
     Sources: the self-chain is DualDecoder's (the paper, 2026); prompt lookup is prompt lookup decoding (A. Saxena,
-    2023), as transformers' `PromptLookupCandidateGenerator` implements it (this index takes the latest match, not
-    the first: `ngram_index`).
+    2023), with the answer of transformers' `PromptLookupCandidateGenerator` (the first match; `ngram_index`).
 
     Args:
         ngram_size: longest n-gram prompt lookup matches (tokens).
         window: after-miss steps each sequence's scores remember.
+        latest: prompt lookup takes the most recent match instead of the first (`NgramIndex`).
 
     Raises (`propose`):
         ValueError: when `rows` does not name one owner per sequence.
     """
 
-    def __init__(self, ngram_size: int = 3, window: int = 8) -> None:
-        self.ngram_size, self.window = ngram_size, window
+    def __init__(self, ngram_size: int = 3, window: int = 8, latest: bool = False) -> None:
+        self.ngram_size, self.window, self.latest = ngram_size, window, latest
         self.state: dict[Hashable, tuple[NgramIndex, SourceScores]] = {}
 
     def _row(self, key: Hashable, sequence: torch.Tensor, first: bool) -> tuple[NgramIndex, SourceScores]:
         """The key's index (extended to `sequence`) and scores; new ones on a first step or another sequence."""
         state = self.state.get(key)
         if first or state is None or not state[0].extends(sequence):
-            state = (NgramIndex(self.ngram_size), SourceScores(self.window))
+            state = (NgramIndex(self.ngram_size, self.latest), SourceScores(self.window))
             self.state[key] = state
         state[0].update(sequence)
         return state

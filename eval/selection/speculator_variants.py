@@ -17,7 +17,8 @@ context). After a miss (and on a request's first step, where every variant uses 
 - `current`: the self speculator before issue 71: prompt lookup (transformers' `PromptLookupCandidateGenerator`,
   n-grams of 3 down to 1, the first match), falling back to the chained guess where nothing matches.
 - `library`: the library's `SelfSpeculator` (issue 71): per row, whichever of lookup (its incremental `NgramIndex`,
-  latest match) and the chained guess was right more often on the row's last 8 after-miss steps (ties: lookup).
+  transformers' first match) and the chained guess was right more often on the row's last 8 after-miss steps (ties:
+  lookup); `library-latest`: the same with lookup's most recent match.
 - `chain`: the chained guess (computed on a wrong context after a miss, but the model's own words).
 - `adaptive`: lookup only where lookup would have predicted the newest real token (the text is being copied from
   earlier in the sequence), else the chained guess.
@@ -123,7 +124,8 @@ class ScoredSpeculator(ChainSpeculator):
         return out
 
 
-VARIANTS = {"current": CurrentSpeculator, "library": SelfSpeculator, "chain": ChainSpeculator,
+VARIANTS = {"current": CurrentSpeculator, "library": SelfSpeculator,
+            "library-latest": lambda ngram_size: SelfSpeculator(ngram_size, latest=True), "chain": ChainSpeculator,
             "adaptive": AdaptiveSpeculator, "scored": ScoredSpeculator}
 
 
