@@ -51,7 +51,9 @@ class DualDecoderConfig:
         lookahead: layers between issuing a delta's host→device copy and the layer that uses it; must be smaller
             than `layers_in_flight`.
         speculator: how the speculated token x̂ is proposed. `"self"`: argmax of the model's own logits at the
-            speculated slot (two tokens per forward). `"ngram"`: prompt lookup (transformers'
+            speculated slot (two tokens per forward); after a miss, per sequence, that guess or prompt lookup,
+            whichever was right more often on its recent misses (`speculators.SelfSpeculator`). `"ngram"`: prompt
+            lookup (transformers'
             `PromptLookupCandidateGenerator`), falling back to `"self"` where it finds no match. `"none"`: one
             token per forward, no speculation: each step uses the entries the previous real token's query chose
             (prefetched a step early, as a speculated query's).
