@@ -51,9 +51,8 @@ class DualDecoderConfig:
         lookahead: layers between issuing a delta's host→device copy and the layer that uses it; must be smaller
             than `layers_in_flight`.
         speculator: how the speculated token x̂ is proposed. `"self"`: argmax of the model's own logits at the
-            speculated slot (two tokens per forward); after a miss, per sequence, that guess or prompt lookup,
-            whichever was right more often on its recent misses (`speculators.SelfSpeculator`). `"ngram"`: prompt
-            lookup (transformers'
+            speculated slot (two tokens per forward); after a miss, prompt lookup on the true sequence where it
+            matches (`speculators.SelfSpeculator`). `"ngram"`: prompt lookup (transformers'
             `PromptLookupCandidateGenerator`), falling back to `"self"` where it finds no match. `"none"`: one
             token per forward, no speculation: each step uses the entries the previous real token's query chose
             (prefetched a step early, as a speculated query's).
@@ -102,17 +101,26 @@ class DualDecoderConfig:
             (False: steps where every guess hit never wait inside the layers, `repair.RepairPolicy`). None (the
             default) picks True on a CPU device (no waits to save) and False on CUDA.
         selector: how each step's entries are chosen (`dual_cache.selection.selectors`, one class per value):
-            `"lowbit"` (the default) a 2-bit copy of every key on the host, scanned by the native engine to
-            shortlist `lowbit_factor × budget` positions that are rescored exactly (`selectors/lowbit.py`);
+            `"carried"` (the default) the `"lowbit"` selection every `rescan_interval` steps per (sequence, KV
+            head), and in between an exact rescoring of the `carried_factor × budget` best positions of its last
+            scan plus the positions appended since (`selectors/carried.py`); `"lowbit"` a 2-bit copy of every key
+            on the host, scanned by the native engine every step to shortlist `lowbit_factor × budget` positions
+            that are rescored exactly (`selectors/lowbit.py`; the flat scan the default is tested against);
             `"exact"` top-k over every host key (the reference it is tested against), scored by the native
             engine; `"oracle"` the real token's own exact top-k, synchronously at the step that uses it
             (evaluation upper bound only); `"quest"` the Quest baseline (Tang et al., 2024): pages of
             `block_size` tokens ranked by a min/max key bound against the real token's query at the step that
             uses it; its page metadata counts as device bytes (evaluation baseline). Any other value raises
             `ValueError` listing these.
-        lowbit_factor: `selector="lowbit"`: positions per KV head the 2-bit key scan shortlists for exact
+        rescan_interval: `selector="carried"`: selections of a (sequence, KV head) from one full scan of the key
+            index to the next (1: every step scans, as `"lowbit"`).
+        rescan_cosine: `selector="carried"`: a (sequence, KV head) whose GQA group's query has a cosine below this
+            to the query of its last scan scans again at once; None: only every `rescan_interval`.
+        carried_factor: `selector="carried"`: positions per KV head carried from a scan to the steps until the
+            next one, as a multiple of the budget (the best of those the scan rescored exactly).
+        lowbit_factor: `selector="lowbit"` and `"carried"`: positions per KV head the 2-bit key scan shortlists for exact
             rescoring, as a multiple of the budget.
-        lowbit_channels: `selector="lowbit"`: fraction of the channel quads (4 channels each) whose codes the scan
+        lowbit_channels: `selector="lowbit"` and `"carried"`: fraction of the channel quads (4 channels each) whose codes the scan
             reads, in (0, 1]; the quads are chosen per step and KV head by `Σ_h |q_h| ×` the channel's step, and
             the other channels enter at each 64-token group's midpoint (`engine/reference.py`). 1.0 reads them all.
         retrieval_threads: host threads running retrieval jobs ahead of the compute, several layers at once; 0
@@ -154,7 +162,10 @@ class DualDecoderConfig:
     miss_repair: bool = False
     repair_drift: float | None = 0.4
     drift_on_hit_steps: bool | None = None
-    selector: str = "lowbit"
+    selector: str = "carried"
+    rescan_interval: int = 16
+    rescan_cosine: float | None = 0.7
+    carried_factor: int = 4
     lowbit_factor: int = 8
     lowbit_channels: float = 0.25
     retrieval_threads: int | None = None

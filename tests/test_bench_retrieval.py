@@ -75,8 +75,18 @@ def test_bad_arguments_exit_2(capsys):
     assert "error:" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench_retrieval.main(["--options", "{not json"])
-    with pytest.raises(SystemExit):
-        bench_retrieval.main(["--selectors", "clusters"])  # not a selector any more
+    assert bench_retrieval.main(["--selectors", "clusters"]) == 2  # not a selector any more
+    assert bench_retrieval.main(["--selectors", 'carried:{"rescan_interval": 0}']) == 2
+    assert bench_retrieval.main(["--selectors", "carried:[1]"]) == 2
+
+
+def test_selector_specs_with_their_own_options_run_side_by_side(tmp_path):
+    out = tmp_path / "specs"
+    assert bench_retrieval.main([*TINY[:1], "3000", *TINY[2:], "--repeats", "4", "--selectors", "lowbit",
+                                 'carried:{"rescan_interval": 2, "rescan_cosine": null}', "--out", str(out)]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())
+    shares = {r["selector"]: r["scan_share"] for r in rows}
+    assert shares["lowbit"] == 1.0 and 0.3 < shares['carried:{"rescan_interval": 2, "rescan_cosine": null}'] < 0.8
 
 
 def test_a_batch_over_one_shared_prefix_runs(tmp_path):

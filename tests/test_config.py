@@ -8,7 +8,7 @@ from dual_cache import DualDecoderConfig
 
 def test_defaults_are_valid():
     config = DualDecoderConfig()
-    assert config.budget == 256 and config.speculator == "self" and config.selector == "lowbit"
+    assert config.budget == 256 and config.speculator == "self" and config.selector == "carried"
 
 
 @pytest.mark.parametrize(
@@ -26,7 +26,7 @@ def test_defaults_are_valid():
         ({"selector": "quest", "block_size": 16, "budget": 100}, "multiple of `block_size`"),
         ({"selector": "quest", "block_size": 16, "early_layer_budget": 1000}, "multiple of `block_size`"),
         ({"layers_in_flight": 0}, "layers_in_flight"),
-        ({"selector": "shortlist"}, "`selector` must be one of \\('exact', 'lowbit', 'oracle', 'quest'\\)"),
+        ({"selector": "shortlist"}, "`selector` must be one of \\('carried', 'exact', 'lowbit', 'oracle', 'quest'\\)"),
         ({"shortlist_factor": 8}, "Unknown dual cache option"),
         ({"retrieval_threads": -1}, "retrieval_threads"),
         ({"layer_budgets": {0: -5}}, "layer_budgets"),

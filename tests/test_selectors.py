@@ -20,7 +20,7 @@ from tests.conftest import record_selections, six_layer_llama
 
 
 def test_every_selector_is_a_class_in_its_own_file_and_the_default_is_registered():
-    assert set(SELECTORS) == {"exact", "lowbit", "oracle", "quest"}
+    assert set(SELECTORS) == {"carried", "exact", "lowbit", "oracle", "quest"}
     assert DualDecoderConfig().selector in SELECTORS
     files = set()
     for name, cls in SELECTORS.items():
@@ -72,7 +72,7 @@ def test_a_job_selects_its_exact_rows_as_the_exact_selector_and_the_others_by_it
                 assert torch.equal(getattr(got, field)[i], getattr(want, field)[row]), (rows, exact_rows, row)
 
 
-@pytest.mark.parametrize("name", ["exact", "lowbit"])
+@pytest.mark.parametrize("name", ["exact", "lowbit"])  # carried: stateful, held to lowbit in its own tests
 @pytest.mark.parametrize("seed", [9, 10])
 def test_one_sequence_selects_as_in_the_whole_batch_and_padding_never_moves_its_groups(seed, name):
     g = torch.Generator().manual_seed(seed)
@@ -112,7 +112,7 @@ def test_what_the_cache_checks_before_allocating_covers_what_a_selector_allocate
     selector.select(torch.randn(2, 4, 8, generator=g), Candidates(mask, starts), 0.3, BUDGET)
     allowed = 2 * SELECTORS[name].host_bytes_for(selector.config, store.capacity, 2, 8, store.element_size)
     assert selector.host_bytes <= allowed
-    assert (selector.host_bytes > 0) == (name == "lowbit")  # only the 2-bit index lives on the host
+    assert (selector.host_bytes > 0) == (name in ("lowbit", "carried"))  # the 2-bit index (and the pools)
     selector.free()
     assert selector.host_bytes == 0
 
@@ -146,6 +146,9 @@ def test_a_shared_prefix_selects_what_each_sequence_with_its_own_copy_selects(na
     [
         ({"selector": "lowbit", "lowbit_factor": 0}, "lowbit_factor"),
         ({"selector": "lowbit", "lowbit_channels": 1.5}, "lowbit_channels"),
+        ({"rescan_interval": 0}, "rescan_interval"),
+        ({"rescan_cosine": 1.5}, "rescan_cosine"),
+        ({"carried_factor": 0.5}, "carried_factor"),
         ({"selector": "quest", "block_size": 16, "budget": 24}, "multiple of `block_size`"),
         ({"selector": "clusters"}, "`selector` must be one of"),
         ({"cluster_size": 16}, "Unknown dual cache option"),

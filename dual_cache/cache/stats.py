@@ -83,6 +83,19 @@ def device_bytes(layers: Sequence[Any], schedule: Any | None) -> int:
     return device
 
 
+def selection_counts(layers: Sequence[Any]) -> dict[str, float]:
+    """`selections_scanned`, `selections_pooled` and `scan_share` over the full-attention layers' selectors (those
+    that carry pools between scans count them; see `CacheAccounting.stats`)."""
+    scanned = pooled = 0
+    for layer in layers:
+        selector = getattr(layer, "selector", None) if isinstance(layer, DualLayer) else None
+        scanned += getattr(selector, "tasks_scanned", 0)
+        pooled += getattr(selector, "tasks_pooled", 0)
+    total = scanned + pooled
+    return {"selections_scanned": scanned, "selections_pooled": pooled,
+            "scan_share": scanned / total if total else float("nan")}
+
+
 def dump_timeline(path: str, stats: dict, timeline: list[dict]) -> None:
     """Write `{"stats": stats, "timeline": timeline}` as JSON to `path`."""
     with open(path, "w", encoding="utf-8") as handle:
@@ -173,6 +186,9 @@ class CacheAccounting:
             repairs, repaired_steps, repair_seconds: (step, layer) selections redone by miss repair (misses and
                 drift), the decode steps in which any was, and the time they took;
             drift_repairs: those of the `repairs` made for drifted queries on hit steps (`repair_drift`);
+            selections_scanned, selections_pooled, scan_share: with `selector="carried"`, its (sequence, KV head,
+                layer) selections that scanned every key's code and those that rescored a carried pool, and the
+                scanned share (nan without any; 0, 0 with the other selectors);
             tp_rank, tp_size, kv_heads: under tensor parallelism every figure above is this rank's alone (its
                 `kv_heads` of the model's KV heads); tp_size 1 without it.
         """
@@ -194,6 +210,7 @@ class CacheAccounting:
             "overlap_ratio": overlap_ratio(counters),
             "resident_share": counters["entries_resident"] / counters["entries_wanted"] if counters["entries_wanted"]
             else float("nan"),
+            **selection_counts(layers),
             "tp_rank": shard.rank,
             "tp_size": shard.size,
             "kv_heads": shard.kv_heads,

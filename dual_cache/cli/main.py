@@ -129,8 +129,22 @@ def _drift_threshold(text: str) -> float | None:
     return value
 
 
+def _optional_cosine(text: str) -> float | None:
+    """`--rescan-cosine` (argparse type): a number in [-1, 1], or 'off' (None)."""
+    if text.strip().lower() == "off":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [-1, 1] or 'off', got {text!r}") from None
+    if not -1 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [-1, 1] or 'off', got {text!r}")
+    return value
+
+
 _FLAGS = {"budget": "--budget", "n_sink": "--n-sink", "window": "--window", "repair_drift": "--repair-drift",
-          "lowbit_factor": "--lowbit-factor", "lowbit_channels": "--lowbit-channels", "fetch_factor": "--fetch-factor"}
+          "lowbit_factor": "--lowbit-factor", "lowbit_channels": "--lowbit-channels", "fetch_factor": "--fetch-factor",
+          "rescan_interval": "--rescan-interval", "rescan_cosine": "--rescan-cosine"}
 
 
 def _json_fields(text: str) -> dict:
@@ -223,7 +237,8 @@ def demo_reading(dense: str, dual: str, info: dict) -> str:
     same = "the same answer" if dense == dual else "different answers (see above)"
     return (
         f"What this shows: {same}, while an accelerator would hold {format_bytes(info['device_bytes'])} of KV "
-        f"(sink, window, this step's selection) instead of the dense cache's "
+        f"(per full-attention layer its sink, window and resident set of earlier steps' selections, and the "
+        f"buffers that bring each step's new entries) instead of the dense cache's "
         f"{format_bytes(info['dense_equivalent_bytes'])}; the rest stays in host memory."
     )
 
@@ -254,9 +269,17 @@ def build_parser() -> argparse.ArgumentParser:
                             "no speculation: each step uses the entries the previous real token's query chose, "
                             f"prefetched a step early) (default: {base.speculator})")
         p.add_argument("--selector", default=given, choices=list(SELECTOR_NAMES),
-                       help="host selection (dual_cache/selection/selectors/): exact top-k over every key (native engine), "
-                            "lowbit (2-bit key index + exact rescoring), oracle (the real token's own top-k, "
-                            f"evaluation), quest (the Quest baseline) (default: {base.selector})")
+                       help="host selection (dual_cache/selection/selectors/): carried (lowbit every "
+                            "--rescan-interval steps, a carried shortlist rescored exactly in between), exact top-k "
+                            "over every key (native engine), lowbit (2-bit key index + exact rescoring, every step), "
+                            "oracle (the real token's own top-k, evaluation), quest (the Quest baseline) "
+                            f"(default: {base.selector})")
+        p.add_argument("--rescan-interval", type=int, default=given,
+                       help="carried: steps from one full scan of the 2-bit key index to the next per (sequence, KV "
+                            f"head); 1 scans every step (default: {base.rescan_interval})")
+        p.add_argument("--rescan-cosine", type=_optional_cosine, default=given,
+                       help="carried: scan again at once where the query's cosine to the last scan's query falls "
+                            f"below this; 'off': only every --rescan-interval (default: {base.rescan_cosine})")
         p.add_argument("--lowbit-factor", type=int, default=given,
                        help="lowbit: positions rescored exactly per KV head, as a multiple of the budget "
                             f"(default: {base.lowbit_factor})")

@@ -65,6 +65,59 @@ class IndexView:
 
 
 @dataclass(frozen=True)
+class CarriedPool:
+    """The carried pools of a store's (sequence, KV head)s and their scan schedule (the `carried` selector): a
+    selection that does not scan rescores its task's pool, plus the positions appended since, instead of every
+    key's code. `select` decides per task, before any work, and updates these arrays in place.
+
+    Attributes (contiguous host tensors over the stored sequences `B` and KV heads; `P` slots, query width `G·D`):
+        positions: `(B, H_kv, P)` int64: the first `counts` slots hold, ascending, the `P` positions of highest
+            exact attention mass among those the task's last scan rescored (all of them when fewer).
+        counts: `(B, H_kv)` int64, the valid slots (0: the task scans at its next selection).
+        due: `(B, H_kv)` int64, pooled selections left before the task's next scan.
+        fresh_from: `(B, H_kv)` int64, the selectable end (positions) at the task's last scan: positions from here
+            on are rescored whole by a pooled selection; a crop below it makes the next selection scan.
+        query: `(B, H_kv, G·D)` float32, the GQA group's query of the task's last scan.
+        tally: `(B, H_kv, 2)` int64, the task's scans and pooled selections so far.
+        interval: a scanning task waits `interval - 1` pooled selections (its first scan after `counts` was 0:
+            `(phase + KV head) % interval`, so a model's layers and heads do not all scan in one step).
+        cosine: a task whose query's cosine to its last scan's is below this scans at once (None: never early).
+        phase: the layer's index (the stagger above).
+
+    Raises:
+        ValueError: on shapes, dtypes or layouts other than the above.
+    """
+
+    positions: torch.Tensor
+    counts: torch.Tensor
+    due: torch.Tensor
+    fresh_from: torch.Tensor
+    query: torch.Tensor
+    tally: torch.Tensor
+    interval: int
+    cosine: float | None
+    phase: int
+
+    def __post_init__(self) -> None:
+        batch_heads = tuple(self.positions.shape[:2])
+        layout = [(self.positions, torch.long, 3), (self.counts, torch.long, 2), (self.due, torch.long, 2),
+                  (self.fresh_from, torch.long, 2), (self.query, torch.float32, 3), (self.tally, torch.long, 3)]
+        if any(t.dtype != dtype or t.dim() != dims or tuple(t.shape[:2]) != batch_heads or not t.is_contiguous()
+               or t.device.type != "cpu" for t, dtype, dims in layout) or self.tally.shape[2] != 2 \
+                or self.interval < 1:
+            raise ValueError("A CarriedPool needs contiguous host tensors over (B, H_kv): positions (B, H_kv, P), "
+                             "counts, due, fresh_from (B, H_kv) int64, query (B, H_kv, G·D) float32, tally (B, H_kv, "
+                             "2) int64; and an interval >= 1.")
+
+    @cached_property
+    def native(self) -> ctypes.Array:
+        """`selection_engine.cpp`'s `Pool` fields (computed once per pool)."""
+        return _int64s([self.positions.data_ptr(), self.counts.data_ptr(), self.positions.shape[2],
+                        self.due.data_ptr(), self.fresh_from.data_ptr(), self.query.data_ptr(),
+                        self.tally.data_ptr(), self.interval, self.phase])
+
+
+@dataclass(frozen=True)
 class Chunks:
     """A store's key chunks (and value chunks, for the gather) checked and laid out for the engine once (`chunks`),
     for a caller that selects over the same chunks call after call.
@@ -123,7 +176,7 @@ def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor]
            scaling: float, index: IndexView | None = None, shortlist: int = 0, quads: int | None = None,
            threads: int | None = None, values: Sequence[torch.Tensor] | None = None,
            out: tuple[torch.Tensor, torch.Tensor] | None = None,
-           rows: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           rows: Sequence[int] | None = None, pool: CarriedPool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-`budget` positions per (sequence, KV head) by group attention mass, optionally among a shortlist, and
     optionally the gather of the selected keys and values into `out` in the same call.
 
@@ -153,6 +206,10 @@ def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor]
             returned indices (an invalid slot gets position 0's rows, as `HostKVStore.gather` of the indices would).
         rows: the store's sequences (rows of the chunks and of the index) that the `b` queries belong to, in
             order; None: `0 … b - 1`. A subset costs only its own work (the repair of some sequences of a batch).
+        pool: the store's carried pools and their schedule (`CarriedPool`, rows as the chunks'), or None. With
+            it, each (query row, KV head) either scans and writes its pool, or rescores its pool plus the positions
+            appended since (`CarriedPool`; `reference.select` defines both); the query rows' stored sequences must
+            be distinct.
 
     Returns:
         `(indices, valid)`, both `(b, H_kv, budget)`: int64 positions, ascending where valid (0 elsewhere), bool.
@@ -167,13 +224,14 @@ def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor]
         elif (values is None) != (out is None):
             raise ValueError("select gathers with both `values` and `out`, or neither.")
         prepared = keys if isinstance(keys, Chunks) else chunks(keys, values)
-        return _select(query, mask, prepared, budget, scaling, index, shortlist, quads, threads, out, rows)
+        return _select(query, mask, prepared, budget, scaling, index, shortlist, quads, threads, out, rows, pool)
 
 
 _RANGES: dict[int, ctypes.Array] = {}  # batch -> rows 0 … batch - 1 as a ctypes array
 
 
-def _select(query, mask, prepared: Chunks, budget, scaling, index, shortlist, quads, threads, out, rows):
+def _select(query, mask, prepared: Chunks, budget, scaling, index, shortlist, quads, threads, out, rows,
+            tasks=None):
     batch, q_heads, dim = query.shape
     keys = prepared.keys
     stored = max(chunk.shape[0] for chunk in keys)
@@ -186,6 +244,8 @@ def _select(query, mask, prepared: Chunks, budget, scaling, index, shortlist, qu
     if len(row_array) != batch or batch and stored > 1 and (min(row_array) < 0 or max(row_array) >= stored):
         raise ValueError(f"select needs one store row (< {stored}) per query row, got rows {list(row_array)} for "
                          f"{batch} queries.")
+    if tasks is not None:
+        _check_pool(tasks, stored, keys[0].shape[1], q_heads // keys[0].shape[1] * dim, row_array)
     kv_heads = keys[0].shape[1]
     if out is not None:
         if prepared.values is None:
@@ -212,10 +272,21 @@ def _select(query, mask, prepared: Chunks, budget, scaling, index, shortlist, qu
     library = native.library()
     if library is None or budget == 0 or end == 0:
         return _reference_select(query, mask, prepared, budget, scaling, index, shortlist, quads, out,
-                                 list(row_array))
+                                 list(row_array), tasks)
     return _native_select(library, query if query.is_contiguous() else query.contiguous(),
                           mask if mask.is_contiguous() else mask.contiguous(), prepared, budget, scaling, index,
-                          shortlist, torch.get_num_threads() if threads is None else threads, quads, out, row_array)
+                          shortlist, torch.get_num_threads() if threads is None else threads, quads, out, row_array,
+                          tasks)
+
+
+def _check_pool(pool: CarriedPool, stored: int, kv_heads: int, width: int, rows) -> None:
+    """ValueError naming the fix where `pool` does not fit the call."""
+    batch, heads = pool.positions.shape[:2]
+    if batch < stored or heads != kv_heads or pool.query.shape[2] != width:
+        raise ValueError(f"The carried pool is over {batch} sequences × {heads} KV heads with queries of "
+                         f"{pool.query.shape[2]} floats; the call needs {stored} × {kv_heads} and {width}.")
+    if len(set(rows)) != len(rows):
+        raise ValueError("select with a carried pool needs distinct stored sequences per query row.")
 
 
 def out_slots(out: torch.Tensor) -> int | None:
@@ -229,19 +300,27 @@ def out_slots(out: torch.Tensor) -> int | None:
     return slots
 
 
-def _reference_select(query, mask, prepared, budget, scaling, index, shortlist, quads, out, rows):
+def _reference_select(query, mask, prepared, budget, scaling, index, shortlist, quads, out, rows, tasks=None):
     """`select` by `reference.py` (where the engine cannot be built, or has nothing to do)."""
     picked = [chunk if chunk.shape[0] == 1 else chunk[rows] for chunk in prepared.keys]
     view = None
     if index is not None:
         usable = index.usable(mask.shape[1])
         view = (index.packed[rows], index.params[rows], index.group_first[rows], usable[rows])
-    indices, valid = reference.select(query, mask, picked, budget, scaling, view, shortlist, quads)
+    carried = None if tasks is None else (tasks, rows)
+    indices, valid = reference.select(query, mask, picked, budget, scaling, view, shortlist, quads, carried)
     if out is not None:
         reference.gather(picked, indices, out[0])
         reference.gather([chunk if chunk.shape[0] == 1 else chunk[rows] for chunk in prepared.values], indices,
                          out[1])
     return indices, valid
+
+
+def _pool_args(pool: CarriedPool | None) -> tuple:
+    """`dc_select`'s carried-pool arguments (none: a null pointer)."""
+    if pool is None:
+        return None, 0.0
+    return pool.native, float("nan") if pool.cosine is None else float(pool.cosine)
 
 
 def _int64s(values) -> ctypes.Array:
@@ -251,9 +330,10 @@ def _int64s(values) -> ctypes.Array:
 
 
 def _native_select(library, query, mask, keys, budget, scaling, index, shortlist, threads, quads=None, out=None,
-                   rows=None):
+                   rows=None, tasks=None):
     """One `dc_select` call. `keys`: `Chunks` (or key chunks, without a gather); `index`: an `IndexView` or None;
-    `rows`: the stored sequence of each query row (a ctypes int64 array or a sequence; None: `0 … b - 1`)."""
+    `rows`: the stored sequence of each query row (a ctypes int64 array or a sequence; None: `0 … b - 1`);
+    `tasks`: a `CarriedPool` or None."""
     prepared = keys if isinstance(keys, Chunks) else chunks(keys)
     batch, q_heads, dim = query.shape
     kv_heads = prepared.keys[0].shape[1]
@@ -278,11 +358,11 @@ def _native_select(library, query, mask, keys, budget, scaling, index, shortlist
         batch, kv_heads, q_heads // kv_heads, dim, KEY_TYPES[prepared.keys[0].dtype], query.data_ptr(), scaling,
         mask.shape[1], mask.data_ptr(), rows, len(prepared.keys), prepared.table, table, group_first, n_groups,
         dim_q, quads, shortlist, budget, indices.data_ptr(), valid.data_ptr(), out_keys, out_values, slots,
-        max(1, threads), profile)
+        max(1, threads), profile, *_pool_args(tasks))
     if status != 0:
         raise MemoryError("The native selection engine could not allocate its scratch memory.")
     profiling.record(profile, batch * kv_heads, time.thread_time_ns() - started if profile is not None else 0)
     return indices, valid
 
 
-__all__ = ["GROUP", "Chunks", "IndexView", "chunks", "select"]
+__all__ = ["GROUP", "CarriedPool", "Chunks", "IndexView", "chunks", "select"]

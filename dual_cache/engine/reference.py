@@ -60,6 +60,13 @@ def top_by_score(score: torch.Tensor, count: int) -> torch.Tensor:
     return torch.sort(order, dim=-1).values
 
 
+def group_mass(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """`(H_kv, n)` float32 attention mass of each key: each query head's softmax over the `n` keys, summed over the
+    group. query: `(H_kv, G, D)` float32; keys: `(H_kv, n, D)`."""
+    logits = torch.matmul(query, keys.float().transpose(-1, -2)) * torch.tensor(scaling, dtype=torch.float32)
+    return torch.softmax(logits, dim=-1).sum(dim=1)
+
+
 def exact_stage(query: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, budget: int,
                 scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The `budget` positions of highest group mass among `positions`.
@@ -75,8 +82,7 @@ def exact_stage(query: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor
     valid = torch.zeros(kv_heads, budget, dtype=torch.bool)
     if n == 0:
         return indices, valid
-    logits = torch.matmul(query, keys.float().transpose(-1, -2)) * torch.tensor(scaling, dtype=torch.float32)
-    mass = torch.softmax(logits, dim=-1).sum(dim=1)  # (H_kv, n)
+    mass = group_mass(query, keys, scaling)
     take = min(budget, n)
     chosen = top_by_score(mass, take)
     indices[:, :take] = torch.gather(positions, 1, chosen)
@@ -192,9 +198,19 @@ def gather(chunks: Sequence[torch.Tensor], indices: torch.Tensor, out: torch.Ten
 
 
 def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor], budget: int, scaling: float,
-           index: tuple | None = None, shortlist: int = 0,
-           quads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference of `dual_cache.engine.select` (same arguments and results; see there)."""
+           index: tuple | None = None, shortlist: int = 0, quads: int | None = None,
+           carried: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of `dual_cache.engine.select` (same arguments and results; see there).
+
+    `carried`: `(pool, rows)`, the store's `engine.CarriedPool` (updated in place) and the store row of each query
+    row; or None. Before any selection, per (query row, KV head) `t` with pool row `a` (`plan_pools`): `t` rescores
+    its pool when `counts[a] > 0`, `due[a] > 0`, `fresh_from[a] <= end` and (unless `cosine` is None) the cosine of
+    its GQA group's query to `query[a]` (float64) is at least `cosine`; then `due[a]` counts down. Otherwise it
+    scans: `due[a]` becomes `interval - 1` (`(phase + KV head) % interval` when `counts[a]` was 0), `fresh_from[a]`
+    the end and `query[a]` its query. A pooled task's candidates are its pool's first `counts[a]` positions below
+    `fresh_from[a]` that are candidates, then every candidate from `fresh_from[a]` on; a scanning task writes the
+    `P` of highest mass among the positions its exact stage rescored (`top_by_score`, ascending) into its pool.
+    """
     batch, q_heads, dim = query.shape
     end = mask.shape[1]
     kv_heads = keys[0].shape[1]
@@ -202,6 +218,7 @@ def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor]
     quads = padded_dim(dim) // 4 if quads is None else quads
     indices = torch.zeros(batch, kv_heads, budget, dtype=torch.long)
     valid = torch.zeros(batch, kv_heads, budget, dtype=torch.bool)
+    plans = None if carried is None else plan_pools(query, end, carried[0], carried[1])
     for b in range(batch):
         rows = torch.cat([chunk[b if chunk.shape[0] > 1 else 0] for chunk in keys], dim=1)[:, :end]  # (H, end, D)
         q = query[b].float().view(kv_heads, group, dim)
@@ -224,6 +241,63 @@ def select(query: torch.Tensor, mask: torch.Tensor, keys: Sequence[torch.Tensor]
             positions = torch.cat([before, picked, after], dim=1)
         else:
             positions = candidates.expand(kv_heads, -1)
-        gathered = torch.gather(rows, 1, positions[..., None].expand(-1, -1, dim))
-        indices[b], valid[b] = exact_stage(q, gathered, positions, budget, scaling)
+        if carried is None:
+            gathered = torch.gather(rows, 1, positions[..., None].expand(-1, -1, dim))
+            indices[b], valid[b] = exact_stage(q, gathered, positions, budget, scaling)
+            continue
+        for h in range(kv_heads):
+            indices[b, h], valid[b, h] = _carried_task(q[h:h + 1], rows[h:h + 1], candidates, positions[h:h + 1],
+                                                       budget, scaling, carried, plans[b][h], b, h)
     return indices, valid
+
+
+def plan_pools(query: torch.Tensor, end: int, pool, rows: Sequence[int]) -> list[list[bool]]:
+    """Whether each (query row, KV head) rescores its pool this call, and the schedule's update (`select`'s
+    `carried`). query: `(b, H_q, D)` float32."""
+    kv_heads = pool.positions.shape[1]
+    grouped = query.reshape(query.shape[0], kv_heads, -1)
+    plans = []
+    for b, row in enumerate(rows):
+        plans.append([])
+        for h in range(kv_heads):
+            q, last = grouped[b, h].double(), pool.query[row, h].double()
+            pooled = bool(pool.counts[row, h] > 0 and pool.due[row, h] > 0 and pool.fresh_from[row, h] <= end)
+            if pooled and pool.cosine is not None:
+                qq, ll = float((q * q).sum()), float((last * last).sum())
+                pooled = qq > 0 and ll > 0 and float((q * last).sum()) / (qq * ll) ** 0.5 >= pool.cosine
+            if pooled:
+                pool.due[row, h] -= 1
+                pool.tally[row, h, 1] += 1
+            else:
+                first = int(pool.counts[row, h]) == 0
+                pool.due[row, h] = (pool.phase + h) % pool.interval if first else pool.interval - 1
+                pool.fresh_from[row, h] = end
+                pool.query[row, h] = grouped[b, h]
+                pool.tally[row, h, 0] += 1
+            plans[b].append(pooled)
+    return plans
+
+
+def _carried_task(query, rows, candidates, scanned, budget, scaling, carried, pooled, b, h):
+    """One (query row `b`, KV head `h`) of `select` with carried pools: its `(budget,)` indices and valid flags."""
+    pool, store_rows = carried
+    row = store_rows[b]
+    slots = pool.positions[row, h]
+    if pooled:
+        fresh = max(int(pool.fresh_from[row, h]), 0)
+        kept = slots[:int(pool.counts[row, h])]
+        selectable = torch.zeros(rows.shape[1], dtype=torch.bool)
+        selectable[candidates] = True
+        kept = kept[kept < min(fresh, rows.shape[1])]
+        kept = kept[selectable[kept]]
+        positions = torch.cat([kept, candidates[candidates >= fresh]])[None]
+    else:
+        positions = scanned
+    gathered = torch.gather(rows, 1, positions[..., None].expand(-1, -1, rows.shape[-1]))
+    indices, valid = exact_stage(query, gathered, positions, budget, scaling)
+    if not pooled:
+        take = min(slots.shape[0], positions.shape[1])
+        if take:
+            slots[:take] = positions[0, top_by_score(group_mass(query, gathered, scaling)[0], take)]
+        pool.counts[row, h] = take
+    return indices[0], valid[0]

@@ -11,6 +11,9 @@
 //      rescored exactly (section "2-bit index scan" below);
 //   2. exact stage: float32 logits of the rescored positions from the host store's keys, softmax per query head
 //      over them, summed over the group; the `budget` best (ties: lower position first), returned ascending.
+// With carried pools (the `carried` selector), a task whose pooled selection is due (`plan_pools`) skips step 1 and
+// rescores its pool's positions plus every candidate appended since its last scan; every other task writes the
+// pool's size best of its exact stage into its pool, for the steps until its next scan.
 // Floating-point work is written as fixed 16-lane loops with no contraction (-ffp-contract=off), so every build
 // variant and thread count returns the same selection.
 #include <algorithm>
@@ -90,7 +93,69 @@ struct Call {
   char* out_values;          // (batch, kv_heads, out_slots, dim)
   int64_t out_slots;         // rows per (sequence, KV head) of out_keys / out_values (>= budget)
   int64_t* profile;          // (batch * kv_heads, PHASES) nanoseconds per phase, then the call's wall; or nullptr
+  // optional carried pools (pool == nullptr: none), one per (stored sequence, KV head), indexed by rows[b] (see
+  // `Pool`); `pooled[task]`: the task rescores its pool this call (decided by `plan_pools` before any work)
+  const int64_t* pool;
+  const uint8_t* pooled;
 };
+
+// fields of the carried pools (`CarriedPool` in engine/__init__.py): addresses of contiguous arrays over (stored
+// sequence, KV head) = `at`, and the schedule. A task `at` scanned last with query POOL_QUERY[at] (G x dim floats) at
+// the selectable end POOL_FRESH[at], and kept the POOL_COUNTS[at] best positions of that scan's exact stage
+// (ascending) in POOL_POSITIONS[at]; POOL_DUE[at] pooled selections remain before its next scan; POOL_TALLY[at]
+// counts its scans and its pooled selections.
+enum Pool { POOL_POSITIONS = 0, POOL_COUNTS, POOL_SLOTS, POOL_DUE, POOL_FRESH, POOL_QUERY, POOL_TALLY, POOL_INTERVAL,
+            POOL_PHASE, POOL_FIELDS };
+
+template <typename T>
+inline T* pool_array(const Call& c, int field) { return reinterpret_cast<T*>(c.pool[field]); }
+
+// the carried pool of a task: its stored sequence's, for its KV head
+inline int64_t pool_of(const Call& c, int64_t task) {
+  return c.rows[task / c.kv_heads] * c.kv_heads + task % c.kv_heads;
+}
+inline bool pooled(const Call& c, int64_t task) { return c.pool && c.pooled[task]; }
+
+// Before any work: per task, whether it rescores its pool (it has one, a pooled selection is due, no crop went
+// below its pool, and its query's cosine to that of its last scan is at least `cosine`, unless cosine is NaN), and
+// the schedule's update: a pooled task counts one selection down; a scanning task records its query and end and
+// waits POOL_INTERVAL - 1 pooled selections (its first scan since its pool was emptied: (phase + KV head) %
+// interval, staggering the layers' and heads' scans). Cosines in double, summed in channel order.
+void plan_pools(const Call& c, float cosine, std::vector<uint8_t>& out) {
+  const int64_t tasks = c.batch * c.kv_heads, width = c.group * c.dim;
+  const int64_t interval = c.pool[POOL_INTERVAL], phase = c.pool[POOL_PHASE];
+  int64_t* counts = pool_array<int64_t>(c, POOL_COUNTS);
+  int64_t* due = pool_array<int64_t>(c, POOL_DUE);
+  int64_t* fresh = pool_array<int64_t>(c, POOL_FRESH);
+  int64_t* tally = pool_array<int64_t>(c, POOL_TALLY);
+  float* kept = pool_array<float>(c, POOL_QUERY);
+  out.assign(tasks, 0);
+  for (int64_t task = 0; task < tasks; ++task) {
+    const int64_t at = pool_of(c, task);
+    const float* q = c.query + task * width;
+    float* last = kept + at * width;
+    bool pool = counts[at] > 0 && due[at] > 0 && fresh[at] <= c.end;
+    if (pool && !std::isnan(cosine)) {
+      double dot = 0, qq = 0, ll = 0;
+      for (int64_t i = 0; i < width; ++i) {
+        dot += double(q[i]) * double(last[i]);
+        qq += double(q[i]) * double(q[i]);
+        ll += double(last[i]) * double(last[i]);
+      }
+      pool = qq > 0 && ll > 0 && dot / std::sqrt(qq * ll) >= double(cosine);
+    }
+    if (pool) {
+      due[at] -= 1;
+      tally[2 * at + 1] += 1;
+    } else {
+      due[at] = counts[at] == 0 ? (phase + task % c.kv_heads) % interval : interval - 1;
+      fresh[at] = c.end;
+      std::memcpy(last, q, width * sizeof(float));
+      tally[2 * at] += 1;
+    }
+    out[task] = pool ? 1 : 0;
+  }
+}
 
 // fields of one key/value chunk (addresses and strides in bytes; a sequence stride of 0: one sequence's chunk that
 // every query row reads, a shared prefix)
@@ -1677,8 +1742,9 @@ struct TaskIndex {
 TaskIndex task_index(const Call& c, int64_t task) {
   const int64_t b = task / c.kv_heads, head = task % c.kv_heads, end = c.end, seq = c.rows[b];
   TaskIndex ti;
-  ti.first = c.index ? c.group_first[seq] : end;  // the groups lying wholly below end:
-  ti.groups = c.index ? std::min(c.n_groups[seq], end > ti.first ? (end - ti.first) / GROUP : 0) : 0;
+  const bool scan = c.index && !pooled(c, task);  // a pooled task reads no code
+  ti.first = scan ? c.group_first[seq] : end;  // the groups lying wholly below end:
+  ti.groups = scan ? std::min(c.n_groups[seq], end > ti.first ? (end - ti.first) / GROUP : 0) : 0;
   if (ti.groups > 0) {
     const int64_t* x = c.index;
     ti.ix = IndexTask{reinterpret_cast<const uint8_t*>(x[CODES_BASE] + seq * x[CODES_SEQ_STRIDE] +
@@ -1698,7 +1764,15 @@ void collect_positions(const Call& c, Slot& sl, const TaskIndex& ti, const float
   const uint8_t* mask = c.mask + sl.task / c.kv_heads * end;
   std::vector<int64_t>& positions = sl.positions;
   positions.clear();
-  if (ti.groups > 0) {
+  if (pooled(c, sl.task)) {  // the pool's positions (ascending, below its end), then every fresh candidate
+    const int64_t at = pool_of(c, sl.task), fresh = std::max<int64_t>(0, pool_array<int64_t>(c, POOL_FRESH)[at]);
+    const int64_t* pool = pool_array<int64_t>(c, POOL_POSITIONS) + at * c.pool[POOL_SLOTS];
+    for (int64_t i = 0; i < pool_array<int64_t>(c, POOL_COUNTS)[at]; ++i)
+      if (pool[i] < std::min(fresh, end) && mask[pool[i]]) positions.push_back(pool[i]);
+    for (int64_t p = fresh; p < end; ++p)
+      if (mask[p]) positions.push_back(p);
+    clock.mark(SHORTLIST);
+  } else if (ti.groups > 0) {
     const int64_t covered = ti.groups * GROUP, covered_end = ti.first + covered;
     for (int64_t p = 0; p < std::min(ti.first, end); ++p)
       if (mask[p]) positions.push_back(p);
@@ -1784,6 +1858,13 @@ void pick_and_gather(const Call& c, const Slot& sl, float* logits, Scratch& s, C
     exp_nonpositive(l, n);
     const float inv = 1.0f / sum_lanes(l, n);
     for (int64_t r = 0; r < n; ++r) s.score[r] += l[r] * inv;
+  }
+  if (c.pool && !pooled(c, task)) {  // a scanned task carries its pool's size best to its next steps
+    const int64_t at = pool_of(c, task), slots = c.pool[POOL_SLOTS];
+    top_m(s.score.data(), n, std::min(slots, n), s, s.chosen);  // ascending
+    int64_t* pool = pool_array<int64_t>(c, POOL_POSITIONS) + at * slots;
+    for (size_t i = 0; i < s.chosen.size(); ++i) pool[i] = positions[s.chosen[i]];
+    pool_array<int64_t>(c, POOL_COUNTS)[at] = static_cast<int64_t>(s.chosen.size());
   }
   top_m(s.score.data(), n, c.budget, s, s.chosen);  // ascending
   int64_t* out = c.out_indices + task * c.budget;
@@ -2062,18 +2143,28 @@ void dc_release_scratch() {
 }
 
 // Select for every (sequence, KV head) of one call, and gather the selected K/V rows when out_keys is set; see
-// `Call`, `Seg` and `Index` for the arguments. Returns 0, or -1 on an internal error (std::bad_alloc), with the outputs undefined.
+// `Call`, `Seg`, `Index` and `Pool` for the arguments (pool nullptr: none; rescan_cosine NaN: no cosine check).
+// Returns 0, or -1 on an internal error (std::bad_alloc), with the outputs undefined.
 int dc_select(int64_t batch, int64_t kv_heads, int64_t group, int64_t dim, int key_type, const float* query,
               float scaling, int64_t end, const uint8_t* mask, const int64_t* rows, int64_t n_segs,
               const int64_t* segs, const int64_t* index, const int64_t* group_first, const int64_t* n_groups,
               int64_t dim_q, int64_t quads, int64_t shortlist, int64_t budget, int64_t* out_indices,
               uint8_t* out_valid, void* out_keys, void* out_values, int64_t out_slots, int threads,
-              int64_t* profile) {
+              int64_t* profile, const int64_t* pool, float rescan_cosine) {
   const int64_t started = profile ? now_ns() : 0;
   Call c{batch, kv_heads, group, dim, (dim + LANES - 1) / LANES * LANES, key_type, query, scaling, end, mask, rows,
          n_segs, segs, index, group_first, n_groups, dim_q, quads, shortlist, budget, out_indices, out_valid,
-         static_cast<char*>(out_keys), static_cast<char*>(out_values), out_slots, profile};
+         static_cast<char*>(out_keys), static_cast<char*>(out_values), out_slots, profile, pool, nullptr};
   const int64_t tasks = batch * kv_heads;
+  std::vector<uint8_t> decisions;
+  if (pool) {
+    try {
+      plan_pools(c, rescan_cosine, decisions);
+    } catch (...) {
+      return -1;
+    }
+    c.pooled = decisions.data();
+  }
   // a thread is started per call: only for work that outweighs starting it (the result never depends on it); with
   // more threads than tasks, each task is split into parts of at least that much work
   const int64_t worth = std::max<int64_t>(1, tasks * end / MIN_POSITIONS_PER_THREAD);

@@ -121,7 +121,7 @@ class DualLayer(CacheLayerMixin):
         self.host.reserve(self.shape.reserve_tokens)
         if self.budget > 0:
             self.selector = SELECTORS[self.config.selector](
-                self.config, self.host, self.device, claim_host=self.host_memory.claim
+                self.config, self.host, self.device, claim_host=self.host_memory.claim, phase=self.layer_idx
             )
         self.is_initialized = True
 

@@ -90,6 +90,21 @@ def _store(batch: int, kv_heads: int, dim: int, tokens: int, capacity: int, dtyp
     return store
 
 
+def selector_config(spec: str, options: dict) -> DualDecoderConfig:
+    """The config of a `--selectors` entry: a selector's name, `NAME:JSON` (its own options over `--options`), or
+    `torch-exact`. Raises `ValueError` naming the entry."""
+    name, _, own = spec.partition(":")
+    if name not in [*PREFETCHED, TORCH_EXACT]:
+        raise ValueError(f"--selectors {spec!r}: choose from {[*PREFETCHED, TORCH_EXACT]}, optionally as NAME:JSON")
+    try:
+        own = json.loads(own) if own else {}
+        if not isinstance(own, dict) or "selector" in own:
+            raise ValueError("its options must be a JSON object of DualDecoderConfig fields other than selector")
+        return DualDecoderConfig.from_dict({**options, **own, "selector": "exact" if name == TORCH_EXACT else name})
+    except (json.JSONDecodeError, TypeError, ValueError) as error:
+        raise ValueError(f"--selectors {spec!r}: {error}") from None
+
+
 def distinct_layers(context: int, batch: int, args: argparse.Namespace) -> int:
     """`--distinct-layers`, fewer where their K/V would pass `--memory-gib` (at least 1)."""
     stored = 1 if args.shared_prefix else batch
@@ -110,8 +125,9 @@ def measure(context: int, batch: int, selector_names: list[str], pool: int, args
               for layer in range(distinct_layers(context, batch, args))]
     selectors, build = {}, {}
     for name in selector_names:
-        config = DualDecoderConfig(selector="exact" if name == TORCH_EXACT else name, **args.options)
-        selectors[name] = [SELECTORS[config.selector](config, store, "cpu") for store in stores]
+        config = selector_config(name, args.options)
+        selectors[name] = [SELECTORS[config.selector](config, store, "cpu", phase=layer)
+                           for layer, store in enumerate(stores)]
         start = time.perf_counter()
         for selector in selectors[name]:
             selector.extend(context, torch.zeros(stored, dtype=torch.long))
@@ -130,7 +146,7 @@ def measure(context: int, batch: int, selector_names: list[str], pool: int, args
     extra = torch.randn(batch, args.kv_heads, 1, args.head_dim).to(dtype)
 
     def select(name: str, layer: int, candidates: Candidates) -> None:
-        if name == TORCH_EXACT:
+        if name.partition(":")[0] == TORCH_EXACT:
             keys = stores[layer].key_chunks(candidates.end)
             indices, _ = torch_select(query, keys, candidates.mask, args.budget, scaling)
             stores[layer].gather(indices, out=staging[layer])
@@ -168,6 +184,9 @@ def measure(context: int, batch: int, selector_names: list[str], pool: int, args
         scanned, gathered = selectors[name][0].key_bytes_read(context - args.window, args.budget)
         read = stored * scanned + batch * gathered  # a shared prefix is scanned once for the whole batch
         index_bytes = selectors[name][0].host_bytes
+        scans = [getattr(selector, "tasks_scanned", None) for selector in selectors[name]]
+        pooled = sum(getattr(selector, "tasks_pooled", 0) for selector in selectors[name])
+        scan_share = 1.0 if None in scans else sum(scans) / max(1, sum(scans) + pooled)
         effective = read / (per_step / args.layers) / 1e9
         host = args.bandwidth[pool if pool > 1 else per_call]
         rows.append({
@@ -181,7 +200,8 @@ def measure(context: int, batch: int, selector_names: list[str], pool: int, args
             "index_host_bytes": index_bytes, "index_fraction": index_bytes / stores[0].nbytes,
             "build_ms_per_1k_tokens": build[name] * 1e3 / len(stores) / stored / (context / 1000),
             "effective_gbps": effective, "host_read_gbps": host, "host_share": effective / host,
-            "engine": "torch" if name == TORCH_EXACT else native.active_variant(),
+            "scan_share": scan_share,
+            "engine": "torch" if name.partition(":")[0] == TORCH_EXACT else native.active_variant(),
             "budget": args.budget, "dtype": args.dtype, "options": args.options, "shared_prefix": args.shared_prefix,
         })
     for name in selector_names:
@@ -209,9 +229,10 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
         "call on `threads` engine threads; N > 1: N layers at once, one thread each). Host GB/s: this host's read "
         "bandwidth on as many threads, measured in the same run; share: the selection's read rate over it. Times: the "
         f"median (min–max) of {rows[0]['repeats']} steps per selector.", "",
-        "| context | batch | selector | pool | threads | ms/layer | ms/step (min–max) | core-ms/seq-step | key MiB read/step | "
-        "index / KV | build ms per 1K tokens·layer | GB/s read | host GB/s | share of host | exact / this |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| context | batch | selector | pool | threads | ms/layer | ms/step (min–max) | core-ms/seq-step | selections "
+        "that scan | key MiB read/step | index / KV | build ms per 1K tokens·layer | GB/s read | host GB/s | share of "
+        "host | exact / this |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     cell = lambda r: (r["context"], r["batch"], r["pool"], r["torch_threads"])
     exact = {cell(r): r["ms_per_step"] for r in rows if r["selector"] == "exact"}
@@ -221,7 +242,7 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
         lines.append(
             f"| {r['context']} | {r['batch']} | {r['selector']} | {r['pool']} | {r['torch_threads']} | "
             f"{_num(r['ms_per_layer'])} | {_num(r['ms_per_step'])} ({_num(r['ms_per_step_min'])}–"
-            f"{_num(r['ms_per_step_max'])}) | {_num(r['core_ms_per_sequence_step'])} | "
+            f"{_num(r['ms_per_step_max'])}) | {_num(r['core_ms_per_sequence_step'])} | {r['scan_share']:.0%} | "
             f"{_num(r['key_mib_read_per_step'])} | {r['index_fraction']:.1%} | "
             f"{_num(r['build_ms_per_1k_tokens'])} | {r['effective_gbps']:.1f} | {r['host_read_gbps']:.1f} | "
             f"{r['host_share']:.0%} | {ratio} |"
@@ -250,9 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072],
                         help="tokens stored per sequence, one cell each")
     parser.add_argument("--batches", type=int, nargs="+", default=[1], help="sequences per step, one cell each")
-    parser.add_argument("--selectors", nargs="+", default=["exact", DualDecoderConfig().selector],
-                        choices=[*PREFETCHED, TORCH_EXACT],
-                        help=f"selectors to time; {TORCH_EXACT!r}: exact selection in torch ops, as before the engine")
+    parser.add_argument("--selectors", nargs="+", default=["exact", "lowbit", DualDecoderConfig().selector],
+                        help=f"selectors to time, each a name of {[*PREFETCHED, TORCH_EXACT]} or NAME:JSON with its "
+                             f"own options, e.g. 'carried:{{\"rescan_interval\": 8}}'; {TORCH_EXACT!r}: exact "
+                             "selection in torch ops, as before the engine")
     parser.add_argument("--pools", type=int, nargs="+", default=[1],
                         help="retrieval threads running the layers' jobs (1: one at a time, each call on --threads "
                              "engine threads; N > 1: N layers at once, one engine thread each)")
@@ -288,9 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         try:  # each selector's own options are checked with that selector
             for name in args.selectors:
-                DualDecoderConfig.from_dict({**args.options, "selector": "exact" if name == TORCH_EXACT else name})
+                selector_config(name, args.options)
         except (ValueError, TypeError) as error:
-            problems.append(f"--options: {error}")
+            problems.append(str(error))
     if args.sink < 0 or args.window < 1:
         problems.append("--sink must be >= 0 and --window >= 1")
     if args.kv_heads >= 1 and args.heads % args.kv_heads:

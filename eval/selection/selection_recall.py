@@ -103,7 +103,8 @@ def layer_recalls(queries: torch.Tensor, keys: torch.Tensor, scaling: float, bud
     Returns:
         `{index in configs: {"recall": (Q·H_kv,) float32, "share": (Q·H_kv,) float32 (exact top-`budget` mass /
         candidate mass), "build_s": seconds, "select_s": seconds per select,
-        "index_bytes": int, "kv_bytes": int, "read": key bytes per select}}`.
+        "index_bytes": int, "kv_bytes": int, "read": key bytes per select, "scanned": (query, KV head) selections
+        that scanned every key's code (the `carried` selector scans some; the others all), "tasks": Q·H_kv}}`.
     """
     n, count = keys.shape[2], queries.shape[2]
     store = HostKVStore(1, keys.shape[1], keys.shape[3], torch.float32, chunk_tokens=4096)
@@ -133,7 +134,9 @@ def layer_recalls(queries: torch.Tensor, keys: torch.Tensor, scaling: float, bud
         out[index] = {"recall": torch.cat(recalls), "share": torch.cat(shares), "build_s": build,
                       "select_s": select_time / count,
                       "index_bytes": selector.host_bytes, "kv_bytes": store.nbytes, "read": read / count,
-                      "exact_read": float(keys.shape[1] * keys.shape[3] * 4 * (n - window))}
+                      "exact_read": float(keys.shape[1] * keys.shape[3] * 4 * (n - window)),
+                      "scanned": getattr(selector, "tasks_scanned", count * keys.shape[1]),
+                      "tasks": count * keys.shape[1]}
         selector.free()
     store.free()
     return out
@@ -228,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             "index_fraction": sum(p["index_bytes"] for p in parts) / sum(p["kv_bytes"] for p in parts),
             "build_ms_per_1k_tokens": 1e3 * sum(p["build_s"] for p in parts) / len(parts) / (args.tokens / 1000),
             "select_ms": 1e3 * sum(p["select_s"] for p in parts) / len(parts),
+            "scan_share": sum(p["scanned"] for p in parts) / sum(p["tasks"] for p in parts),
             "per_layer": {layer: recall_summary(torch.cat(values)) for layer, values in
             sorted(by_layer[index].items())},
         })
@@ -239,11 +243,13 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.tokens} tokens, seeds {args.seeds}, the last {args.queries} prompt positions' queries, "
              f"full-attention layers {args.skip_layers}+ × KV heads.{share} Timings: this CPU, thread time, one run.",
              "",
-             "| selector | options | mean | p10 | min | key bytes read vs exact | index / KV | build ms per 1K "
-             "tokens·layer | select ms per layer |", "|---|---|---|---|---|---|---|---|---|"]
+             "| selector | options | mean | p10 | min | selections that scan | key bytes read vs exact (a scan's) | "
+             "index / KV | build ms per 1K tokens·layer | select ms per layer |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['selector']} | {json.dumps(r['options']) if r['options'] else 'default'} | {r['mean']:.4f} | "
-              f"{r['p10']:.4f} | {r['min']:.4f} | {r['keys_read']:.1%} | {r['index_fraction']:.1%} | "
-              f"{r['build_ms_per_1k_tokens']:.3g} | {r['select_ms']:.3g} |" for r in rows]
+              f"{r['p10']:.4f} | {r['min']:.4f} | {r['scan_share']:.0%} | {r['keys_read']:.1%} | "
+              f"{r['index_fraction']:.1%} | {r['build_ms_per_1k_tokens']:.3g} | {r['select_ms']:.3g} |"
+              for r in rows]
     layers = sorted(rows[0]["per_layer"]) if rows else []
     lines += ["", "Per layer (mean / p10):", "",
               "| selector | options | " + " | ".join(f"layer {layer}" for layer in layers) + " |",

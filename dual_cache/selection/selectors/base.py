@@ -42,6 +42,7 @@ class Selector:
         device: where the layer's attention runs (a selector may keep state there, counted in `device_bytes`).
         claim_host: called with the byte size of each host allocation the selector is about to make; raises
             `HostMemoryError` past the cache's host-memory limit.
+        phase: the layer's index, for a selector that spreads periodic work over the layers of a model.
     """
 
     name: ClassVar[str] = ""
@@ -49,8 +50,9 @@ class Selector:
     shares_prefix: ClassVar[bool] = True  # serves sequences that continue one shared prefix (`share`)
 
     def __init__(self, config: Any, store: HostKVStore, device: torch.device,
-                 claim_host: HostClaim | None = None) -> None:
+                 claim_host: HostClaim | None = None, phase: int = 0) -> None:
         self.config = config
+        self.phase = phase
         self.store = store
         self.device = torch.device(device)
         self.claim_host = claim_host or (lambda nbytes: None)
