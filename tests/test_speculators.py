@@ -91,7 +91,7 @@ def right_guess(i: int, sequence: list[int], hit: bool) -> int:
 def test_a_row_whose_lookup_keeps_missing_switches_to_the_chain():
     prompt = [1, 2, 3] * 20
     # greedy: the chained guess after a hit is exact, and after a miss right too (the model's own words)
-    hits = run_rows(SelfSpeculator(NGRAM), [prompt], own_words, right_guess, steps=20)
+    hits = run_rows(SelfSpeculator(NGRAM, window=8), [prompt], own_words, right_guess, steps=20)
     assert hits[0] >= 20 - 1 - 3  # a few after-miss steps to learn, then every step hits
 
 
@@ -100,7 +100,7 @@ def test_under_sampling_the_better_source_after_a_miss_wins():
     # sampled: the chained guess is right on 7 of 10 steps, hit or miss, never persistently; lookup about 1 in 3
     chain = lambda i, s, hit: own_words(i, s) if len(s) * 40503 % 10 < 7 else -7  # noqa: E731
     steps = 80
-    hits = run_rows(SelfSpeculator(NGRAM), [prompt], own_words, chain, steps=steps)
+    hits = run_rows(SelfSpeculator(NGRAM, window=8), [prompt], own_words, chain, steps=steps)
     always_lookup = run_rows(SelfSpeculator(NGRAM, window=1), [prompt], own_words, lambda i, s, hit: -7, steps=steps)
     assert hits[0] >= 0.55 * steps and hits[0] > always_lookup[0] + 0.2 * steps
 
@@ -111,7 +111,7 @@ def test_a_row_that_copies_its_prompt_keeps_lookup():
     copy = lambda i, s: prompt[len(s) - len(prompt)]  # noqa: E731  (continues quoting the prompt from token 10)
     chain = lambda i, s, hit: -1 if not hit else copy(i, s)  # noqa: E731  (after a miss the chain is always wrong)
     sequences = [prompt + prompt[:10]]
-    hits = run_rows(SelfSpeculator(NGRAM), sequences, copy, chain, steps=30)
+    hits = run_rows(SelfSpeculator(NGRAM, window=8), sequences, copy, chain, steps=30)
     assert hits[0] >= 30 - 2
 
 
@@ -120,12 +120,12 @@ def test_rows_score_their_sources_apart():
     copying = lambda s: s[len(s) - 3]  # noqa: E731  (the row repeats its period-3 text: lookup is right)
     real = lambda i, s: own_words(i, s) if i == 0 else copying(s)  # noqa: E731
     chain = lambda i, s, hit: own_words(i, s) if i == 0 else (copying(s) if hit else -1)  # noqa: E731
-    hits = run_rows(SelfSpeculator(NGRAM), [prompt, prompt], real, chain, steps=20)
+    hits = run_rows(SelfSpeculator(NGRAM, window=8), [prompt, prompt], real, chain, steps=20)
     assert hits[0] >= 15 and hits[1] >= 18
 
 
 def test_a_new_request_does_not_inherit_a_rows_scores():
-    speculator = SelfSpeculator(NGRAM)
+    speculator = SelfSpeculator(NGRAM, window=8)
     prompt = [1, 2, 3] * 20
     sampled = lambda i, s, hit: own_words(i, s) if len(s) * 40503 % 10 < 7 else -7  # noqa: E731
     run_rows(speculator, [prompt], own_words, sampled, steps=30)
@@ -143,7 +143,7 @@ def test_a_new_request_does_not_inherit_a_rows_scores():
 
 
 def test_keyed_rows_follow_their_requests_and_leave():
-    speculator = SelfSpeculator(NGRAM)
+    speculator = SelfSpeculator(NGRAM, window=8)
     a, b = object(), object()
     seq_a, seq_b = torch.tensor([1, 2, 1, 2]), torch.tensor([7, 8, 7])
     assert speculator.propose([seq_a, seq_b], [None, None], [None, None], rows=[a, b]) == [1, 8]

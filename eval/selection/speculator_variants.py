@@ -16,9 +16,11 @@ context). After a miss (and on a request's first step, where every variant uses 
 
 - `current`: the self speculator before issue 71: prompt lookup (transformers' `PromptLookupCandidateGenerator`,
   n-grams of 3 down to 1, the first match), falling back to the chained guess where nothing matches.
-- `library`: the library's `SelfSpeculator` (issue 71): per row, whichever of lookup (its incremental `NgramIndex`,
-  transformers' first match) and the chained guess was right more often on the row's last 8 after-miss steps (ties:
-  lookup); `library-latest`: the same with lookup's most recent match.
+- `library`: the library's `SelfSpeculator` as it is configured by default (lookup after every miss through its
+  incremental `NgramIndex`, transformers' first match: the same proposals as `current`).
+- `per-row`: `SelfSpeculator(window=8)`: per row, whichever of lookup and the chained guess was right more often on
+  the row's last 8 after-miss steps (ties: lookup); `library-latest`: the same with lookup's most recent match. (In
+  `results/selection/speculator-recovery/`, measured when it was the default, it is the rows named `library`.)
 - `chain`: the chained guess (computed on a wrong context after a miss, but the model's own words).
 - `adaptive`: lookup only where lookup would have predicted the newest real token (the text is being copied from
   earlier in the sequence), else the chained guess.
@@ -125,7 +127,8 @@ class ScoredSpeculator(ChainSpeculator):
 
 
 VARIANTS = {"current": CurrentSpeculator, "library": SelfSpeculator,
-            "library-latest": lambda ngram_size: SelfSpeculator(ngram_size, latest=True), "chain": ChainSpeculator,
+            "per-row": lambda ngram_size: SelfSpeculator(ngram_size, window=8),
+            "library-latest": lambda ngram_size: SelfSpeculator(ngram_size, window=8, latest=True), "chain": ChainSpeculator,
             "adaptive": AdaptiveSpeculator, "scored": ScoredSpeculator}
 
 
