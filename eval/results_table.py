@@ -45,66 +45,103 @@ def _mib(value: float) -> str:
 
 
 def collect(root: str = "results") -> list[dict]:
-    """The table's rows: `{measure, machine, baseline, dual, source}` (strings)."""
-    p = lambda *parts: os.path.join(root, *parts)  # noqa: E731
-    out = []
-    smol = _jsonl(p("eval", "results.jsonl"))
-    for length in (4096, 8192):
-        d, n, d_mib = _ruler(smol, "dense", "niah_single_1", length)
-        x, _, x_mib = _ruler(smol, "dual", "niah_single_1", length)
-        out.append({"measure": f"RULER niah_single_1 at {length // 1024}K, SmolLM2-135M (n = {n}), budget 256",
-                    "machine": "CPU", "baseline": f"dense {d:.0f}", "dual": f"{x:.0f}",
-                    "source": "results/eval/results.jsonl"})
-    out.append({"measure": "device KV per request at 8K, SmolLM2-135M fp32", "machine": "CPU",
-                "baseline": f"dense {_mib(d_mib)}", "dual": _mib(x_mib), "source": "results/eval/results.jsonl"})
-    gemma = _jsonl(p("eval", "gemma3-270m", "results.jsonl"))
-    for length in (16384, 32768):
-        d, n, d_mib = _ruler(gemma, "dense", "niah_single_1", length)
-        x, _, x_mib = _ruler(gemma, "dual", "niah_single_1", length)
-        out.append({"measure": f"RULER niah_single_1 at {length // 1024}K, Gemma-3-270M (n = {n}); device KV "
-                               "per request", "machine": "CPU",
-                    "baseline": f"dense {d:.0f}; {_mib(d_mib)}", "dual": f"{x:.0f}; {_mib(x_mib)}",
-                    "source": "results/eval/gemma3-270m/results.jsonl"})
-    out += ruler_averages(root, default=", @256 = issue 57's default (per-step slots)")
-    for folder in RESIDENT_SET_GATES:
-        out += ruler_averages(root, folder, ", @256 = today's default (the resident set)")
-    cells = _jsonl(p("gpu", "h200-32k-cells.jsonl"))
-    dense = next(c for c in cells if c["method"] == "dense" and c["batch"] == 1)
-    dual = next(c for c in cells if c["method"].startswith("dual") and c["batch"] == 1)
-    out.append({"measure": "device KV per request at 32K, Llama-3.1-8B shape bf16", "machine": "H200",
-                "baseline": f"dense {_mib(dense['device_bytes_per_request'] / MIB)}",
-                "dual": _mib(dual["device_bytes_per_request"] / MIB), "source": "results/gpu/h200-32k-cells.jsonl"})
-    out.append({"measure": "decode tokens/s at 32K batch 1 (host selection of that run: torch exact)",
-                "machine": "H200", "baseline": f"dense {dense['decode_tokens_per_s']:.1f}",
-                "dual": f"{dual['decode_tokens_per_s']:.1f}", "source": "results/gpu/h200-32k-cells.jsonl"})
-    engine = _json(p("bench", "host-retrieval-engine-32k.json"))
-    engine = engine["rows"] if isinstance(engine, dict) else engine
-    ms = {r["selector"]: r["ms_per_step"] for r in engine if r["batch"] == 1 and r["pool"] == 2}
-    out.append({"measure": "host selection ms per step at 32K batch 1, Llama-3.1-8B shape (2 threads)",
-                "machine": "CPU", "baseline": f"torch exact {ms['torch-exact']:.0f}",
-                "dual": f"engine exact {ms['exact']:.0f}; lowbit {ms['lowbit']:.0f}",
-                "source": "results/bench/host-retrieval-engine-32k.json"})
-    serving = {r["system"]: r for r in _json(p("serving", "smollm2-1k-poisson.json"))["rows"]}
-    out.append({"measure": "serving, 16 Poisson requests of 1K tokens: output tokens/s; peak device KV",
-                "machine": "CPU", "baseline": f"static generate() {serving['static']['output_tokens_per_s']:.1f}; "
-                                               f"dense rows {_mib(serving['dense']['peak_device_kv_bytes'] / MIB)}",
-                "dual": f"{serving['dual']['output_tokens_per_s']:.1f}; "
-                        f"{_mib(serving['dual']['peak_device_kv_bytes'] / MIB)}",
-                "source": "results/serving/smollm2-1k-poisson.json"})
-    serving = {r["system"]: r for r in _json(p("serving", "smollm2-256-long-outputs.json"))["rows"]}
-    out.append({"measure": "serving, 32 Poisson requests of 256 tokens, 4-256 new: output tokens/s",
-                "machine": "CPU", "baseline": f"static generate() {serving['static']['output_tokens_per_s']:.1f}; "
-                                               f"dense rows {serving['dense']['output_tokens_per_s']:.1f}",
-                "dual": f"{serving['dual']['output_tokens_per_s']:.1f}",
-                "source": "results/serving/smollm2-256-long-outputs.json"})
+    """The table's rows, today's default only (earlier defaults' rows: docs/benchmarks.md, "History"):
+    `{measure, machine, baseline, dual, source}` (strings). A row whose result file is not there is left out."""
+    out = ruler_averages(root, DEFAULT_GATE, ", budget 256")
+    out += needle_rows(root) + device_rows(root) + host_rows(root) + throughput_rows(root)
     return out
+
+
+DEFAULT_GATE = ("eval", "default-gate")  # today's default's RULER, fidelity rows beside dense's and the flat scan's
+NEEDLES = (  # (label, dense's file, dual's file) under results/needle/
+    ("16 word needles at 4K, SmolLM2-135M, budget 256: correct", "4k.jsonl", "4k-carried.jsonl"),
+    ("4 word needles at 32K, Gemma-3-270M, budget 256: correct", "gemma3-270m-32k-carried.jsonl",
+     "gemma3-270m-32k-carried.jsonl"),
+)
+HOST_BENCH = ("bench", "host-retrieval-carried", "llama8b-1thread")  # bench-retrieval, .json
+THROUGHPUT = ("bench", "cpu-embedded-8k-b4-carried", "summary.json")  # dual-decoder bench
+
+
+def needle_rows(root: str) -> list[dict]:
+    """Word-needle counts, dense against the default (`dual`), from the needle sweeps' rows."""
+    out = []
+    for label, dense_file, dual_file in NEEDLES:
+        paths = [os.path.join(root, "needle", name) for name in (dense_file, dual_file)]
+        if not all(os.path.exists(path) for path in paths):
+            continue
+        dense, dual = (_jsonl(path) for path in paths)
+        seeds = {r["seed"] for r in dual}
+        dense = [r for r in dense if r["seed"] in seeds]
+        out.append({"measure": label, "machine": "CPU",
+                    "baseline": f"dense {sum(r['dense'] for r in dense)}/{len(dense)}",
+                    "dual": f"{sum(r['dual'] for r in dual)}/{len(dual)}",
+                    "source": "results/needle/" + (dual_file if dense_file == dual_file else
+                                                   f"{{{dense_file},{dual_file}}}")})
+    return out
+
+
+def device_rows(root: str) -> list[dict]:
+    """Device KV bytes per request, dense against the default, from the RULER gate's rows (each row records the
+    bytes its request held on the device)."""
+    out = []
+    folder = os.path.join(root, *DEFAULT_GATE)
+    for name, label in (("smollm2-135m-4k.jsonl", "SmolLM2-135M fp32 at 4K"),
+                        ("gemma3-270m-16k.jsonl", "Gemma-3-270M fp32 at 16K")):
+        path = os.path.join(folder, name)
+        if not os.path.exists(path):
+            continue
+        rows = _jsonl(path)
+        dense = [r["device_bytes"] / MIB for r in rows if r["method"] == "dense"]
+        dual = [r["device_bytes"] / MIB for r in rows if r["method"] == "dual"]
+        if dense and dual:
+            out.append({"measure": f"device KV per request, {label} (RULER prompts)", "machine": "CPU",
+                        "baseline": f"dense {_mib(mean(dense))}", "dual": _mib(mean(dual)),
+                        "source": "/".join(("results", *DEFAULT_GATE, name))})
+    return out
+
+
+def host_rows(root: str) -> list[dict]:
+    """Host core-ms per sequence-step of the selection at the Llama-3.1-8B shape, the flat scan against the default,
+    from `dual-decoder bench-retrieval` (one engine thread)."""
+    path = os.path.join(root, *HOST_BENCH) + ".json"
+    if not os.path.exists(path):
+        return []
+    rows = _json(path)
+    rows = rows["rows"] if isinstance(rows, dict) else rows
+    out = []
+    for context in sorted({r["context"] for r in rows}):
+        cell = {r["selector"]: r for r in rows if r["context"] == context and r["batch"] == 1}
+        if "lowbit" in cell and "carried" in cell:
+            flat, new = cell["lowbit"]["core_ms_per_sequence_step"], cell["carried"]["core_ms_per_sequence_step"]
+            out.append({"measure": f"host selection core-ms per sequence-step at {context // 1024}K, Llama-3.1-8B "
+                                   "shape, 1 engine thread (random keys: scans by the interval only)",
+                        "machine": "CPU", "baseline": f"flat scan (lowbit) {flat:.1f}",
+                        "dual": f"{new:.1f} ({new / flat:.2f}×)", "source": "/".join(("results", *HOST_BENCH)) + ".md"})
+    return out
+
+
+def throughput_rows(root: str) -> list[dict]:
+    """Decode tokens/s and host core-ms per sequence-step on this CPU, from `dual-decoder bench`'s summary."""
+    path = os.path.join(root, *THROUGHPUT)
+    if not os.path.exists(path):
+        return []
+    cells = _json(path)
+    cells = cells["cells"] if isinstance(cells, dict) and "cells" in cells else cells
+    by = {c["method"]: c for c in cells}
+    if "dense" not in by or "dual-self" not in by:
+        return []
+    dense, dual = by["dense"]["decode_tokens_per_s"], by["dual-self"]["decode_tokens_per_s"]
+    flat = by.get("dual-lowbit")
+    text = f"{dual:.2f} ({dual / dense:.2f}×)"
+    if flat:
+        text += f"; flat scan {flat['decode_tokens_per_s']:.2f}"
+    return [{"measure": "decode tokens/s, SmolLM2-135M fp32, natural text 8K, batch 4 (CPU: the KV is in host memory "
+                        "either way)", "machine": "CPU", "baseline": f"dense {dense:.2f}", "dual": text,
+             "source": "/".join(("results", *THROUGHPUT[:-1])) + "/"}]
 
 
 RULER_TABLE = ("eval", "ruler-table")  # the RULER table's rows (eval/quality/ruler_table_run.sh) and ruler_table.md
 RULER_NAMES = {"HuggingFaceTB/SmolLM2-135M-Instruct": "SmolLM2-135M", "google/gemma-3-270m": "Gemma-3-270M"}
-
-
-RESIDENT_SET_GATES = (("eval", "ruler-4k-issue62"), ("eval", "gemma3-16k-issue62"))  # today's default's RULER rows
 
 
 def ruler_averages(root: str = "results", table_folder: tuple[str, ...] = RULER_TABLE, default: str = "") -> list[dict]:
@@ -170,27 +207,27 @@ def write_into(path: str, table: str) -> None:
 
 
 def plot(path: str, root: str = "results") -> None:
-    """Bar chart (log scale) of device KV MiB per request, dense vs dual, at every measured point."""
+    """Bar chart (log scale) of device KV MiB per request, dense vs the default, from the RULER gate's rows and the
+    CPU throughput cell."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    p = lambda *parts: os.path.join(root, *parts)  # noqa: E731
     points = []
-    smol = _jsonl(p("eval", "results.jsonl"))
-    for length in (4096, 8192):
-        points.append((f"SmolLM2-135M\n{length // 1024}K", _ruler(smol, "dense", "niah_single_1", length)[2],
-                       _ruler(smol, "dual", "niah_single_1", length)[2]))
-    gemma = _jsonl(p("eval", "gemma3-270m", "results.jsonl"))
-    for length in (16384, 32768):
-        points.append((f"Gemma-3-270M\n{length // 1024}K", _ruler(gemma, "dense", "niah_single_1", length)[2],
-                       _ruler(gemma, "dual", "niah_single_1", length)[2]))
-    cells = _jsonl(p("gpu", "h200-32k-cells.jsonl"))
-    dense = next(c for c in cells if c["method"] == "dense" and c["batch"] == 1)
-    dual = next(c for c in cells if c["method"].startswith("dual") and c["batch"] == 1)
-    points.append(("Llama-3.1-8B shape\n32K (H200)", dense["device_bytes_per_request"] / MIB,
-                   dual["device_bytes_per_request"] / MIB))
+    folder = os.path.join(root, *DEFAULT_GATE)
+    for name, label in (("smollm2-135m-4k.jsonl", "SmolLM2-135M\n4K"), ("gemma3-270m-16k.jsonl", "Gemma-3-270M\n16K")):
+        source = os.path.join(folder, name)
+        if os.path.exists(source):
+            rows = _jsonl(source)
+            points.append((label, mean(r["device_bytes"] for r in rows if r["method"] == "dense") / MIB,
+                           mean(r["device_bytes"] for r in rows if r["method"] == "dual") / MIB))
+    bench = os.path.join(root, *THROUGHPUT)
+    if os.path.exists(bench):
+        by = {c["method"]: c for c in _json(bench)["cells"]}
+        if "dense" in by and "dual-self" in by:
+            points.append(("SmolLM2-135M\n8K (bench)", by["dense"]["device_bytes_per_request"] / MIB,
+                           by["dual-self"]["device_bytes_per_request"] / MIB))
     figure, axis = plt.subplots(figsize=(8, 3.6))
     x = range(len(points))
     axis.bar([i - 0.2 for i in x], [d for _, d, _ in points], 0.4, label="dense (DynamicCache)")
