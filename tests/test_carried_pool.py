@@ -91,3 +91,33 @@ def test_bad_pools_are_refused_before_any_work():
     with pytest.raises(ValueError, match="CarriedPool needs"):
         dataclasses.replace(good, interval=0)
     assert int(good.tally.sum()) == 0  # nothing ran
+
+
+def test_the_cosine_threshold_is_compared_in_double_precision_as_the_reference_does():
+    query = torch.zeros(1, 1, 4)
+    query[0, 0, 0] = 1.0
+    last = torch.tensor([0.7, (1 - 0.7 ** 2) ** 0.5, 0.0, 0.0])  # cosine 0.7 to float32 precision
+    cosine = float(torch.nn.functional.cosine_similarity(query[0, 0].double(), last.double(), dim=0)) + 1e-9
+    keys = [torch.randn(1, 1, 300, 4)]
+    mask = torch.ones(1, 300, dtype=torch.bool)
+    results = []
+    for use_reference in (False, True):
+        pool = _pool(1, 1, 8, 4, interval=5, cosine=cosine, phase=3)
+        engine.select(query, mask, keys, 4, 0.5, pool=pool)  # the first selection scans
+        pool.query[0, 0] = last
+        if use_reference:
+            reference.select(query, mask, keys, 4, 0.5, None, 0, None, (pool, [0]))
+        else:
+            engine.select(query, mask, keys, 4, 0.5, pool=pool)
+        results.append(pool.tally.clone())
+    assert torch.equal(results[0], results[1]) and int(results[0][0, 0, 0]) == 2  # just below: both scan
+
+
+def test_pool_bounds_and_schedule_values_are_refused():
+    query, mask, keys, index = _problem(7, 2, 2, 3, 32, 300, torch.float32)
+    with pytest.raises(ValueError, match="reach"):
+        engine.select(query, mask, [k[:1] for k in keys], 8, 0.2, None, 0, pool=_pool(1, 2, 8, 96), rows=[0, 1])
+    with pytest.raises(ValueError, match="interval in"):
+        _pool(2, 2, 8, 96, interval=2**64)
+    with pytest.raises(ValueError, match="phase in"):
+        _pool(2, 2, 8, 96, phase=-1)

@@ -187,8 +187,9 @@ class CacheAccounting:
                 drift), the decode steps in which any was, and the time they took;
             drift_repairs: those of the `repairs` made for drifted queries on hit steps (`repair_drift`);
             selections_scanned, selections_pooled, scan_share: with `selector="carried"`, its (sequence, KV head,
-                layer) selections that scanned every key's code and those that rescored a carried pool, and the
-                scanned share (nan without any; 0, 0 with the other selectors);
+                layer) selections through the carried schedule that scanned every key's code and those that
+                rescored a carried pool, and the scanned share (nan without any; 0, 0 with the other selectors,
+                with `rescan_interval=1`, and where a selection takes every candidate);
             tp_rank, tp_size, kv_heads: under tensor parallelism every figure above is this rank's alone (its
                 `kv_heads` of the model's KV heads); tp_size 1 without it.
         """

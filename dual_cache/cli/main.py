@@ -275,8 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "oracle (the real token's own top-k, evaluation), quest (the Quest baseline) "
                             f"(default: {base.selector})")
         p.add_argument("--rescan-interval", type=int, default=given,
-                       help="carried: steps from one full scan of the 2-bit key index to the next per (sequence, KV "
-                            f"head); 1 scans every step (default: {base.rescan_interval})")
+                       help="carried: selections (one per step, plus any miss repair) from one full scan of the 2-bit "
+                            f"key index to the next per (sequence, KV head); 1 scans every step (default: "
+                            f"{base.rescan_interval})")
         p.add_argument("--rescan-cosine", type=_optional_cosine, default=given,
                        help="carried: scan again at once where the query's cosine to the last scan's query falls "
                             f"below this; 'off': only every --rescan-interval (default: {base.rescan_cosine})")

@@ -76,7 +76,8 @@ class CarriedPool:
         counts: `(B, H_kv)` int64, the valid slots (0: the task scans at its next selection).
         due: `(B, H_kv)` int64, pooled selections left before the task's next scan.
         fresh_from: `(B, H_kv)` int64, the selectable end (positions) at the task's last scan: positions from here
-            on are rescored whole by a pooled selection; a crop below it makes the next selection scan.
+            on are rescored whole by a pooled selection; a selection whose end lies below it scans (a crop lowers it:
+            the `carried` selector's `truncate`).
         query: `(B, H_kv, G·D)` float32, the GQA group's query of the task's last scan.
         tally: `(B, H_kv, 2)` int64, the task's scans and pooled selections so far.
         interval: a scanning task waits `interval - 1` pooled selections (its first scan after `counts` was 0:
@@ -104,10 +105,10 @@ class CarriedPool:
                   (self.fresh_from, torch.long, 2), (self.query, torch.float32, 3), (self.tally, torch.long, 3)]
         if any(t.dtype != dtype or t.dim() != dims or tuple(t.shape[:2]) != batch_heads or not t.is_contiguous()
                or t.device.type != "cpu" for t, dtype, dims in layout) or self.tally.shape[2] != 2 \
-                or self.interval < 1:
+                or not 1 <= self.interval < 2**62 or not 0 <= self.phase < 2**62:
             raise ValueError("A CarriedPool needs contiguous host tensors over (B, H_kv): positions (B, H_kv, P), "
                              "counts, due, fresh_from (B, H_kv) int64, query (B, H_kv, G·D) float32, tally (B, H_kv, "
-                             "2) int64; and an interval >= 1.")
+                             "2) int64; an interval in [1, 2**62) and a phase in [0, 2**62).")
 
     @cached_property
     def native(self) -> ctypes.Array:
@@ -285,6 +286,8 @@ def _check_pool(pool: CarriedPool, stored: int, kv_heads: int, width: int, rows)
     if batch < stored or heads != kv_heads or pool.query.shape[2] != width:
         raise ValueError(f"The carried pool is over {batch} sequences × {heads} KV heads with queries of "
                          f"{pool.query.shape[2]} floats; the call needs {stored} × {kv_heads} and {width}.")
+    if len(rows) and max(rows) >= batch:
+        raise ValueError(f"The carried pool holds {batch} sequences; the call's rows reach {max(rows)}.")
     if len(set(rows)) != len(rows):
         raise ValueError("select with a carried pool needs distinct stored sequences per query row.")
 

@@ -121,7 +121,7 @@ inline bool pooled(const Call& c, int64_t task) { return c.pool && c.pooled[task
 // the schedule's update: a pooled task counts one selection down; a scanning task records its query and end and
 // waits POOL_INTERVAL - 1 pooled selections (its first scan since its pool was emptied: (phase + KV head) %
 // interval, staggering the layers' and heads' scans). Cosines in double, summed in channel order.
-void plan_pools(const Call& c, float cosine, std::vector<uint8_t>& out) {
+void plan_pools(const Call& c, double cosine, std::vector<uint8_t>& out) {
   const int64_t tasks = c.batch * c.kv_heads, width = c.group * c.dim;
   const int64_t interval = c.pool[POOL_INTERVAL], phase = c.pool[POOL_PHASE];
   int64_t* counts = pool_array<int64_t>(c, POOL_COUNTS);
@@ -142,7 +142,7 @@ void plan_pools(const Call& c, float cosine, std::vector<uint8_t>& out) {
         qq += double(q[i]) * double(q[i]);
         ll += double(last[i]) * double(last[i]);
       }
-      pool = qq > 0 && ll > 0 && dot / std::sqrt(qq * ll) >= double(cosine);
+      pool = qq > 0 && ll > 0 && dot / std::sqrt(qq * ll) >= cosine;
     }
     if (pool) {
       due[at] -= 1;
@@ -2150,7 +2150,7 @@ int dc_select(int64_t batch, int64_t kv_heads, int64_t group, int64_t dim, int k
               const int64_t* segs, const int64_t* index, const int64_t* group_first, const int64_t* n_groups,
               int64_t dim_q, int64_t quads, int64_t shortlist, int64_t budget, int64_t* out_indices,
               uint8_t* out_valid, void* out_keys, void* out_values, int64_t out_slots, int threads,
-              int64_t* profile, const int64_t* pool, float rescan_cosine) {
+              int64_t* profile, const int64_t* pool, double rescan_cosine) {
   const int64_t started = profile ? now_ns() : 0;
   Call c{batch, kv_heads, group, dim, (dim + LANES - 1) / LANES * LANES, key_type, query, scaling, end, mask, rows,
          n_segs, segs, index, group_first, n_groups, dim_q, quads, shortlist, budget, out_indices, out_valid,

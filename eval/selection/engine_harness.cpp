@@ -76,7 +76,7 @@ int main(int argc, char** argv) {
                                              groups * 2 * dq * 2};
         if (dc_select(1, H, G, D, BF16, q.data(), 1.0f / std::sqrt(128.0f), end, mask.data(), &row, 1, seg,
                       lowbit ? index : nullptr, &first, &indexed, dq, quads, factor * budget, budget, out.data(),
-                      valid.data(), nullptr, nullptr, budget, threads, nullptr, nullptr, 0.0f) != 0)
+                      valid.data(), nullptr, nullptr, budget, threads, nullptr, nullptr, 0.0) != 0)
           return 1;
       }
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / L;

@@ -7,10 +7,12 @@ mass among those it rescored (`engine.CarriedPool`). Until that task's next scan
 exactly the pool's positions plus every position appended since the scan (so keys written during decode are always
 selectable), and takes the `budget` best, as the scan step's exact stage would among them. A task scans again when
 `rescan_interval` of its selections have passed, when its GQA group's query has moved (cosine to the query of its
-last scan below `rescan_cosine`), or when the store was cropped below its pool. This is the reusable selector of
+last scan below `rescan_cosine`), or when it selects below the end its last scan saw. A crop of the store
+(`truncate`) makes the positions from the crop on fresh again: the pool's entries past it are dropped and what is
+appended later is rescored whole until the next scan. This is the reusable selector of
 LServe (Yang et al., 2025, §4.3: select every C steps) with FreeKV's early correction of the heads whose query moved
 (Liu et al., 2025: query cosine threshold); the carried shortlist rescored between selections is this project's
-choice, measured in results/selection/scan-schedule/.
+choice, measured in results/selection/carried-recall/.
 
 A layer's first scans are staggered (`1 + (layer + KV head) % rescan_interval` selections after the first), so the
 layers of a model do not all scan in the same step. With `rescan_interval` 1 every step scans: the selections equal
@@ -55,8 +57,8 @@ class CarriedSelector(LowBitSelector):
     def check_config(cls, config) -> None:
         super().check_config(config)
         interval = config.rescan_interval
-        if isinstance(interval, bool) or not isinstance(interval, numbers.Integral) or interval < 1:
-            raise ValueError(f"`rescan_interval` must be an int >= 1 (selections between full scans of the key "
+        if isinstance(interval, bool) or not isinstance(interval, numbers.Integral) or not 1 <= interval < 2**62:
+            raise ValueError(f"`rescan_interval` must be an int in [1, 2**62) (selections between full scans of the key "
                              f"index; 1 scans every step), got {interval!r}.")
         config.rescan_interval = int(interval)
         cosine = config.rescan_cosine
