@@ -29,6 +29,7 @@ import torch
 
 from ... import engine
 from ...host.pages import host_tensor
+from ...runtime.sync_points import uncounted
 from ..candidates import Candidates
 from .lowbit import LowBitSelector
 
@@ -76,20 +77,30 @@ class CarriedSelector(LowBitSelector):
     @classmethod
     def host_bytes_for(cls, config, tokens: int, kv_heads: int, head_dim: int, element_size: int) -> int:
         """The 2-bit index (`lowbit`'s) plus, per KV head, the pool's positions and schedule and one query (of up to
-        8 query heads per KV head; a wider GQA group's pool is claimed when allocated)."""
-        slots = config.carried_factor * config.budget
-        return super().host_bytes_for(config, tokens, kv_heads, head_dim, element_size) + kv_heads * (
-            8 * (slots + 5) + 4 * 8 * head_dim)
+        8 query heads per KV head; a wider GQA group's pool is claimed when allocated). No pool where the budget
+        takes every token (its selections take every candidate and keep nothing)."""
+        index = super().host_bytes_for(config, tokens, kv_heads, head_dim, element_size)
+        if config.budget >= tokens or config.rescan_interval == 1:
+            return index
+        slots = min(config.carried_factor * config.budget, tokens)
+        return index + kv_heads * (8 * (slots + 5) + 4 * 8 * head_dim)
 
     @property
     def tasks_scanned(self) -> int:
         """(sequence, KV head) selections so far that scanned every key's code."""
-        return self._tally[0] + (0 if self._pool is None else int(self._pool.tally[..., 0].sum()))
+        return self._tally[0] + self._pool_tally(0)
 
     @property
     def tasks_pooled(self) -> int:
         """(sequence, KV head) selections so far that rescored their carried pool."""
-        return self._tally[1] + (0 if self._pool is None else int(self._pool.tally[..., 1].sum()))
+        return self._tally[1] + self._pool_tally(1)
+
+    def _pool_tally(self, column: int) -> int:
+        pool = self._pool
+        if pool is None:
+            return 0
+        with uncounted():  # a host tensor: reading it never waits for a device
+            return int(pool.tally[..., column].sum())
 
     def key_bytes_read(self, end: int, budget: int) -> tuple[int, int]:
         """Averaged over this selector's selections so far (before any: one scan per `rescan_interval`): a scan
@@ -104,6 +115,15 @@ class CarriedSelector(LowBitSelector):
         fresh = min(self.config.rescan_interval, 1 / share) / 2  # selections since the scan, on average
         pooled = kv_heads * (self.config.carried_factor * budget + fresh) * dim * element
         return round(share * scanned), round(share * gathered + (1 - share) * pooled)
+
+    def __getstate__(self) -> dict:  # copies (a closed cache's deepcopy) get a lock of their own
+        state = super().__getstate__()
+        del state["_state_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._state_lock = threading.Lock()
 
     def _pool_for(self, budget: int, query_width: int) -> engine.CarriedPool:
         """The pools for this budget and GQA group, (re)allocated empty where the budget, the group or the store's
