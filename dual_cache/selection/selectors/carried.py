@@ -30,7 +30,6 @@ import torch
 from ... import engine
 from ...host.pages import host_tensor
 from ...runtime.sync_points import uncounted
-from ..candidates import Candidates
 from .lowbit import LowBitSelector
 
 
