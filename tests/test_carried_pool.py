@@ -51,7 +51,7 @@ def test_pools_decide_write_and_select_what_the_reference_does(variant, case, se
             step_query = step_query + (0.9 if step == 4 else 0.15) * torch.randn(query.shape, generator=gen)
             step_mask = mask[:, :end].contiguous()
             got = engine._native_select(library, step_query, step_mask, keys, budget, scaling, index, shortlist,
-                                        threads=2, rows=rows, tasks=got_pool)
+                                        threads=2, rows=rows, pool=got_pool)
             picked = (view[0], view[1], view[2], index.usable(end))
             want = reference.select(step_query, step_mask, keys, budget, scaling, picked, shortlist, None,
                                     (want_pool, rows))

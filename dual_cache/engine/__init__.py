@@ -232,7 +232,7 @@ _RANGES: dict[int, ctypes.Array] = {}  # batch -> rows 0 … batch - 1 as a ctyp
 
 
 def _select(query, mask, prepared: Chunks, budget, scaling, index, shortlist, quads, threads, out, rows,
-            tasks=None):
+            pool=None):
     batch, q_heads, dim = query.shape
     keys = prepared.keys
     stored = max(chunk.shape[0] for chunk in keys)
@@ -245,8 +245,8 @@ def _select(query, mask, prepared: Chunks, budget, scaling, index, shortlist, qu
     if len(row_array) != batch or batch and stored > 1 and (min(row_array) < 0 or max(row_array) >= stored):
         raise ValueError(f"select needs one store row (< {stored}) per query row, got rows {list(row_array)} for "
                          f"{batch} queries.")
-    if tasks is not None:
-        _check_pool(tasks, stored, keys[0].shape[1], q_heads // keys[0].shape[1] * dim, row_array)
+    if pool is not None:
+        _check_pool(pool, stored, keys[0].shape[1], q_heads // keys[0].shape[1] * dim, row_array)
     kv_heads = keys[0].shape[1]
     if out is not None:
         if prepared.values is None:
@@ -273,11 +273,11 @@ def _select(query, mask, prepared: Chunks, budget, scaling, index, shortlist, qu
     library = native.library()
     if library is None or budget == 0 or end == 0:
         return _reference_select(query, mask, prepared, budget, scaling, index, shortlist, quads, out,
-                                 list(row_array), tasks)
+                                 list(row_array), pool)
     return _native_select(library, query if query.is_contiguous() else query.contiguous(),
                           mask if mask.is_contiguous() else mask.contiguous(), prepared, budget, scaling, index,
                           shortlist, torch.get_num_threads() if threads is None else threads, quads, out, row_array,
-                          tasks)
+                          pool)
 
 
 def _check_pool(pool: CarriedPool, stored: int, kv_heads: int, width: int, rows) -> None:
@@ -303,14 +303,14 @@ def out_slots(out: torch.Tensor) -> int | None:
     return slots
 
 
-def _reference_select(query, mask, prepared, budget, scaling, index, shortlist, quads, out, rows, tasks=None):
+def _reference_select(query, mask, prepared, budget, scaling, index, shortlist, quads, out, rows, pool=None):
     """`select` by `reference.py` (where the engine cannot be built, or has nothing to do)."""
     picked = [chunk if chunk.shape[0] == 1 else chunk[rows] for chunk in prepared.keys]
     view = None
     if index is not None:
         usable = index.usable(mask.shape[1])
         view = (index.packed[rows], index.params[rows], index.group_first[rows], usable[rows])
-    carried = None if tasks is None else (tasks, rows)
+    carried = None if pool is None else (pool, rows)
     indices, valid = reference.select(query, mask, picked, budget, scaling, view, shortlist, quads, carried)
     if out is not None:
         reference.gather(picked, indices, out[0])
@@ -333,10 +333,10 @@ def _int64s(values) -> ctypes.Array:
 
 
 def _native_select(library, query, mask, keys, budget, scaling, index, shortlist, threads, quads=None, out=None,
-                   rows=None, tasks=None):
+                   rows=None, pool=None):
     """One `dc_select` call. `keys`: `Chunks` (or key chunks, without a gather); `index`: an `IndexView` or None;
     `rows`: the stored sequence of each query row (a ctypes int64 array or a sequence; None: `0 … b - 1`);
-    `tasks`: a `CarriedPool` or None."""
+    `pool`: a `CarriedPool` or None."""
     prepared = keys if isinstance(keys, Chunks) else chunks(keys)
     batch, q_heads, dim = query.shape
     kv_heads = prepared.keys[0].shape[1]
@@ -361,7 +361,7 @@ def _native_select(library, query, mask, keys, budget, scaling, index, shortlist
         batch, kv_heads, q_heads // kv_heads, dim, KEY_TYPES[prepared.keys[0].dtype], query.data_ptr(), scaling,
         mask.shape[1], mask.data_ptr(), rows, len(prepared.keys), prepared.table, table, group_first, n_groups,
         dim_q, quads, shortlist, budget, indices.data_ptr(), valid.data_ptr(), out_keys, out_values, slots,
-        max(1, threads), profile, *_pool_args(tasks))
+        max(1, threads), profile, *_pool_args(pool))
     if status != 0:
         raise MemoryError("The native selection engine could not allocate its scratch memory.")
     profiling.record(profile, batch * kv_heads, time.thread_time_ns() - started if profile is not None else 0)
